@@ -1,0 +1,197 @@
+"""The one place where environment variables are read and validated.
+
+BytePS's variables keep their meaning (``DMLC_ROLE``, ``DMLC_NUM_WORKER``, ...); the
+``BPSTRAIN_*`` variables are bpstrain's own knobs and mirror keys of the ``comm``
+config section. A malformed value raises :class:`bpstrain.errors.ConfigError` naming
+the variable, what it got and the expected form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Optional
+
+from bpstrain.errors import ConfigError
+
+ROLES = ("scheduler", "server", "worker")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterEnv:
+    """A validated view of the cluster-related environment of one process."""
+
+    role: Optional[str] = None
+    num_workers: int = 1
+    num_servers: int = 1
+    root_uri: str = "127.0.0.1"
+    root_port: Optional[int] = None
+    worker_id: Optional[int] = None
+    server_id: Optional[int] = None
+    local_rank: int = 0
+    local_size: int = 1
+    node_host: str = ""
+    force_distributed: bool = False
+    # Communication knobs; None = not set in the environment (config/defaults apply).
+    comm: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+    @property
+    def rank_hint(self) -> int:
+        """rank = DMLC_WORKER_ID * BYTEPS_LOCAL_SIZE + BYTEPS_LOCAL_RANK, or -1 (assign)."""
+        if self.worker_id is None:
+            return -1
+        return self.worker_id * self.local_size + self.local_rank
+
+    @property
+    def distributed(self) -> bool:
+        """True when this process belongs to a launched job (a scheduler exists)."""
+        return self.role is not None
+
+
+def _get(environ: Mapping[str, str], name: str) -> Optional[str]:
+    value = environ.get(name)
+    return None if value is None else value.strip()
+
+
+def _int(environ, name, default=None, minimum=None, maximum=None):
+    raw = _get(environ, name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    bounds = []
+    if minimum is not None:
+        bounds.append(f">= {minimum}")
+    if maximum is not None:
+        bounds.append(f"<= {maximum}")
+    if value is None or (minimum is not None and value < minimum) or (
+        maximum is not None and value > maximum
+    ):
+        expect = "an integer" + (" " + " and ".join(bounds) if bounds else "")
+        raise ConfigError(f"environment variable {name} must be {expect}. Received: {name}={raw!r}")
+    return value
+
+
+def _float(environ, name, minimum=0.0):
+    raw = _get(environ, name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or value <= minimum:
+        raise ConfigError(
+            f"environment variable {name} must be a number > {minimum} (seconds). "
+            f"Received: {name}={raw!r}"
+        )
+    return value
+
+
+def _bool(environ, name):
+    raw = _get(environ, name)
+    if raw is None:
+        return None
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise ConfigError(f"environment variable {name} must be 0/1/true/false. Received: {name}={raw!r}")
+
+
+def _interface_address(ifname: str) -> str:
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
+        except OSError as exc:
+            raise ConfigError(
+                f"environment variable DMLC_INTERFACE names an interface without an IPv4 "
+                f"address ({exc.strerror}). Received: DMLC_INTERFACE={ifname!r}"
+            ) from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
+    """Reads and validates the cluster environment.
+
+    Args:
+        environ: the mapping to read; defaults to ``os.environ``.
+
+    Returns:
+        A :class:`ClusterEnv`. ``role`` is None when the process was not launched as
+        part of a job (standalone: one worker, no servers).
+
+    Raises:
+        ConfigError: a variable is malformed; the message names it.
+    """
+    env = os.environ if environ is None else environ
+    role = _get(env, "DMLC_ROLE")
+    if role is not None:
+        role = role.lower()
+        if role not in ROLES:
+            raise ConfigError(
+                "environment variable DMLC_ROLE must be one of scheduler, server, worker. "
+                f"Received: DMLC_ROLE={env.get('DMLC_ROLE')!r}"
+            )
+    num_workers = _int(env, "DMLC_NUM_WORKER", 1, minimum=1)
+    num_servers = _int(env, "DMLC_NUM_SERVER", 1, minimum=1)
+    local_size = _int(env, "BYTEPS_LOCAL_SIZE", 1, minimum=1)
+    local_rank = _int(env, "BYTEPS_LOCAL_RANK", 0, minimum=0)
+    if local_rank >= local_size:
+        raise ConfigError(
+            "BYTEPS_LOCAL_RANK must be smaller than BYTEPS_LOCAL_SIZE. "
+            f"Received: BYTEPS_LOCAL_RANK={local_rank}, BYTEPS_LOCAL_SIZE={local_size}"
+        )
+    worker_id = _int(env, "DMLC_WORKER_ID", None, minimum=0)
+    if worker_id is not None and (worker_id + 1) * local_size > num_workers:
+        raise ConfigError(
+            "DMLC_WORKER_ID * BYTEPS_LOCAL_SIZE + BYTEPS_LOCAL_RANK must be < DMLC_NUM_WORKER. "
+            f"Received: DMLC_WORKER_ID={worker_id}, BYTEPS_LOCAL_SIZE={local_size}, "
+            f"DMLC_NUM_WORKER={num_workers}"
+        )
+    root_port = _int(env, "DMLC_PS_ROOT_PORT", None, minimum=1, maximum=65535)
+    root_uri = _get(env, "DMLC_PS_ROOT_URI") or "127.0.0.1"
+    if role is not None and root_port is None:
+        raise ConfigError(
+            f"DMLC_ROLE={role} needs the scheduler's address: set DMLC_PS_ROOT_PORT "
+            "(an integer port, e.g. 9000) and DMLC_PS_ROOT_URI (e.g. 10.0.0.1)"
+        )
+    node_host = _get(env, "DMLC_NODE_HOST") or ""
+    interface = _get(env, "DMLC_INTERFACE")
+    if not node_host and interface:
+        node_host = _interface_address(interface)
+    comm = {
+        "partition_bytes": _int(env, "BYTEPS_PARTITION_BYTES", None, minimum=1),
+        "timeout": _float(env, "BPSTRAIN_TIMEOUT"),
+        "op_timeout": _float(env, "BPSTRAIN_OP_TIMEOUT"),
+        "rendezvous_timeout": _float(env, "BPSTRAIN_RENDEZVOUS_TIMEOUT"),
+        "priority": _bool(env, "BPSTRAIN_PRIORITY"),
+        "credit_bytes": _int(env, "BPSTRAIN_CREDIT_BYTES", None, minimum=0),
+        "connections_per_server": _int(env, "BPSTRAIN_CONNECTIONS_PER_SERVER", None, 1, 64),
+        "engine_threads": _int(env, "BPSTRAIN_ENGINE_THREADS", None, 1, 256)
+        or _int(env, "BYTEPS_SERVER_ENGINE_THREAD", None, 1, 256),
+        "numa": _get(env, "BPSTRAIN_NUMA"),
+        "secret": _get(env, "BPSTRAIN_SECRET"),
+    }
+    return ClusterEnv(
+        role=role,
+        num_workers=num_workers,
+        num_servers=num_servers,
+        root_uri=root_uri,
+        root_port=root_port,
+        worker_id=worker_id,
+        server_id=_int(env, "DMLC_SERVER_ID", None, minimum=0),
+        local_rank=local_rank,
+        local_size=local_size,
+        node_host=node_host,
+        force_distributed=bool(_bool(env, "BYTEPS_FORCE_DISTRIBUTED")),
+        comm={k: v for k, v in comm.items() if v is not None},
+    )

@@ -1,0 +1,70 @@
+"""Runs the scheduler or a summation server in the foreground of this process.
+
+``python -m bpstrain.launch`` calls :func:`run_role` when ``DMLC_ROLE`` is
+``scheduler`` or ``server``; the Trainer's local cluster does the same in child
+processes. The role returns once every worker has shut down and raises
+:class:`bpstrain.errors.BpsError` when the job fails (a node died, rendezvous timed out).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from bpstrain.config.env import read_env
+from bpstrain.engine import resolve_options
+from bpstrain.errors import ConfigError
+
+_WAIT_SLICE = 0.2
+
+
+def run_role(role: str, environ: Optional[Mapping[str, str]] = None) -> None:
+    """Runs ``role`` ("scheduler" or "server") until the job ends.
+
+    Args:
+        role: which role to run.
+        environ: environment to read (``os.environ`` by default).
+
+    Raises:
+        ConfigError: malformed environment.
+        BpsError: the job failed; the message says which node and why.
+    """
+    from bpstrain import _core
+
+    env = read_env(environ)
+    options = resolve_options(None, env)
+    if env.root_port is None:
+        raise ConfigError(
+            "the scheduler's port is not set: export DMLC_PS_ROOT_PORT (e.g. 9000) and "
+            "DMLC_PS_ROOT_URI. Received: DMLC_PS_ROOT_PORT unset"
+        )
+    if role == "scheduler":
+        _core.set_log_prefix("bpstrain scheduler")
+        node = _core.Scheduler(
+            env.num_workers,
+            env.num_servers,
+            host="0.0.0.0",
+            port=env.root_port,
+            rendezvous_timeout=float(options["rendezvous_timeout"]),
+            peer_timeout=float(options["timeout"]),
+            secret=str(options["secret"] or ""),
+        )
+    elif role == "server":
+        _core.set_log_prefix("bpstrain server")
+        node = _core.Server(
+            env.root_uri,
+            env.root_port,
+            advertise_host=env.node_host,
+            server_id=-1 if env.server_id is None else env.server_id,
+            engine_threads=int(options["engine_threads"]),
+            numa=str(options["numa"]),
+            rendezvous_timeout=float(options["rendezvous_timeout"]),
+            secret=str(options["secret"] or ""),
+        )
+    else:
+        raise ConfigError(f"run_role runs 'scheduler' or 'server'. Received: role={role!r}")
+    node.start()
+    try:
+        while not node.wait(_WAIT_SLICE):
+            pass
+    finally:
+        node.stop()

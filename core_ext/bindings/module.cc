@@ -1,0 +1,222 @@
+// pybind11 bindings of the engine: the only file that includes pybind11.
+//
+// Blocking calls are exposed as short waits (`wait(handle, seconds)`) with the GIL
+// released; bpstrain/engine.py loops over them, so Ctrl-C and Python-level timeouts
+// always work. C++ errors become bpstrain.errors exceptions in exactly one place
+// (TranslateError below).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "../src/affinity.h"
+#include "../src/common.h"
+#include "../src/reduce.h"
+#include "../src/scheduler.h"
+#include "../src/server.h"
+#include "../src/worker.h"
+
+namespace py = pybind11;
+using namespace bps;
+
+namespace {
+
+void TranslateError(const Error& e) {
+  static const char* names[] = {"BpsError", "MismatchError", "PeerError",
+                                "BpsTimeoutError", "ConfigError", "ShutdownError"};
+  py::object errors = py::module_::import("bpstrain.errors");
+  py::object cls = errors.attr(names[static_cast<int>(e.kind())]);
+  PyErr_SetString(cls.ptr(), e.what());
+}
+
+struct BufferView {
+  void* ptr;
+  size_t nbytes;
+};
+
+BufferView View(const py::buffer& b, bool writable, const char* what) {
+  py::buffer_info info = b.request(writable);
+  if (info.ndim > 0) {
+    // Contiguity check: the engine moves raw bytes.
+    ssize_t expect = info.itemsize;
+    for (ssize_t i = info.ndim - 1; i >= 0; --i) {
+      if (info.shape[i] > 1 && info.strides[i] != expect)
+        throw Error(Error::kConfig, std::string(what) + " must be C-contiguous");
+      expect *= info.shape[i];
+    }
+  }
+  return {info.ptr, static_cast<size_t>(info.size * info.itemsize)};
+}
+
+int64_t Elements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+template <typename T>
+bool WaitReleased(T& obj, double seconds) {
+  py::gil_scoped_release nogil;
+  return obj.Wait(seconds);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "bpstrain's C++ push_pull engine (scheduler, summation server, worker).";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      TranslateError(e);
+    }
+  });
+
+  m.def("dtype_size", [](const std::string& d) { return DTypeSize(ParseDType(d)); });
+  m.def("set_log_prefix", &SetLogPrefix);
+  m.def("resolve_cpus", &ResolveCpuSpec, py::arg("spec"), py::arg("local_rank") = 0,
+        "CPU list a NUMA spec resolves to (empty: no pinning).");
+  m.def("numa_node_count", &NumaNodeCount);
+  m.def(
+      "sum_into",
+      [](py::buffer dst, py::buffer src, const std::string& dtype) {
+        DType t = ParseDType(dtype);
+        BufferView d = View(dst, true, "dst"), s = View(src, false, "src");
+        if (d.nbytes != s.nbytes) throw Error(Error::kConfig, "sum_into: dst and src sizes differ");
+        size_t n = d.nbytes / DTypeSize(t);
+        py::gil_scoped_release nogil;
+        if (AccumulatesInFloat(t)) {
+          std::vector<float> acc(n);
+          Widen(t, acc.data(), d.ptr, n);
+          Accumulate(t, acc.data(), s.ptr, n);
+          Narrow(t, d.ptr, acc.data(), n);
+        } else {
+          SumInto(t, d.ptr, s.ptr, n);
+        }
+      },
+      py::arg("dst"), py::arg("src"), py::arg("dtype"),
+      "dst += src with the servers' kernels (fp16/bf16 through fp32).");
+
+  py::class_<Scheduler>(m, "Scheduler")
+      .def(py::init([](int workers, int servers, const std::string& host, int port,
+                       double rendezvous_timeout, double peer_timeout, const std::string& secret) {
+             SchedulerOptions o;
+             o.num_workers = workers;
+             o.num_servers = servers;
+             o.host = host;
+             o.port = port;
+             o.rendezvous_timeout = rendezvous_timeout;
+             o.peer_timeout = peer_timeout;
+             o.secret = secret;
+             return std::make_unique<Scheduler>(o);
+           }),
+           py::arg("num_workers"), py::arg("num_servers"), py::arg("host") = "0.0.0.0",
+           py::arg("port") = 0, py::arg("rendezvous_timeout") = 120.0,
+           py::arg("peer_timeout") = 30.0, py::arg("secret") = "")
+      .def_property_readonly("port", &Scheduler::port)
+      .def("start", &Scheduler::Start)
+      .def("wait", &WaitReleased<Scheduler>, py::arg("seconds"))
+      .def("stop", &Scheduler::Stop, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<Server>(m, "Server")
+      .def(py::init([](const std::string& scheduler_host, int scheduler_port,
+                       const std::string& listen_host, const std::string& advertise_host, int server_id,
+                       int engine_threads, const std::string& numa, double rendezvous_timeout,
+                       const std::string& secret) {
+             ServerOptions o;
+             o.scheduler_host = scheduler_host;
+             o.scheduler_port = scheduler_port;
+             o.listen_host = listen_host;
+             o.advertise_host = advertise_host;
+             o.server_id = server_id;
+             o.engine_threads = engine_threads;
+             o.numa = numa;
+             o.rendezvous_timeout = rendezvous_timeout;
+             o.secret = secret;
+             return std::make_unique<Server>(o);
+           }),
+           py::arg("scheduler_host"), py::arg("scheduler_port"), py::arg("listen_host") = "0.0.0.0",
+           py::arg("advertise_host") = "", py::arg("server_id") = -1, py::arg("engine_threads") = 2,
+           py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "")
+      .def_property_readonly("port", &Server::port)
+      .def("start", &Server::Start)
+      .def("wait", &WaitReleased<Server>, py::arg("seconds"))
+      .def("stop", &Server::Stop, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<Worker>(m, "Worker")
+      .def(py::init([](const std::string& scheduler_host, int scheduler_port, int64_t rank_hint,
+                       int local_rank, int local_size, int64_t partition_bytes, int64_t credit_bytes,
+                       int connections_per_server, bool priority, const std::string& numa,
+                       double rendezvous_timeout, const std::string& secret) {
+             WorkerOptions o;
+             o.scheduler_host = scheduler_host;
+             o.scheduler_port = scheduler_port;
+             o.rank_hint = rank_hint;
+             o.local_rank = local_rank;
+             o.local_size = local_size;
+             o.partition_bytes = partition_bytes;
+             o.credit_bytes = credit_bytes;
+             o.connections_per_server = connections_per_server;
+             o.priority = priority;
+             o.numa = numa;
+             o.rendezvous_timeout = rendezvous_timeout;
+             o.secret = secret;
+             return std::make_unique<Worker>(o);
+           }),
+           py::arg("scheduler_host"), py::arg("scheduler_port"), py::arg("rank_hint") = -1,
+           py::arg("local_rank") = 0, py::arg("local_size") = 1, py::arg("partition_bytes") = 4 << 20,
+           py::arg("credit_bytes") = 0, py::arg("connections_per_server") = 2, py::arg("priority") = true,
+           py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "")
+      .def("start", &Worker::Start)
+      .def("wait_ready", &Worker::WaitReady, py::arg("seconds"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", &Worker::rank)
+      .def_property_readonly("size", &Worker::size)
+      .def_property_readonly("num_servers", &Worker::num_servers)
+      .def(
+          "declare",
+          [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape) {
+            DType t = ParseDType(dtype);
+            py::gil_scoped_release nogil;
+            w.Declare(name, t, shape);
+          },
+          py::arg("name"), py::arg("dtype"), py::arg("shape"))
+      .def(
+          "enqueue",
+          [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
+             py::buffer input, py::buffer output, int op, int root, int priority) {
+            OpRequest r;
+            r.name = name;
+            r.dtype = ParseDType(dtype);
+            r.shape = std::move(shape);
+            if (op < 0 || op > 2) throw Error(Error::kConfig, "op must be 0 (sum), 1 (average) or 2 (broadcast)");
+            r.op = static_cast<Op>(op);
+            r.root = root;
+            r.priority = priority;
+            BufferView in = View(input, false, "input"), out = View(output, true, "output");
+            const size_t want = static_cast<size_t>(Elements(r.shape)) * DTypeSize(r.dtype);
+            if (in.nbytes != want || out.nbytes != want)
+              throw Error(Error::kConfig, "tensor '" + name + "': buffers must hold " + std::to_string(want) +
+                                              " bytes for shape " + ShapeString(r.shape) + " of " + dtype +
+                                              ". Received: input=" + std::to_string(in.nbytes) +
+                                              " bytes, output=" + std::to_string(out.nbytes) + " bytes");
+            r.input = in.ptr;
+            r.output = out.ptr;
+            py::gil_scoped_release nogil;
+            return w.Enqueue(r);
+          },
+          py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("input"), py::arg("output"),
+          py::arg("op"), py::arg("root") = 0, py::arg("priority") = 0)
+      .def("enqueue_barrier", &Worker::EnqueueBarrier, py::call_guard<py::gil_scoped_release>())
+      .def("poll", &Worker::Poll, py::arg("handle"))
+      .def("wait", &Worker::WaitFor, py::arg("handle"), py::arg("seconds"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("describe", &Worker::Describe, py::arg("handle"))
+      .def("stats",
+           [](Worker& w) {
+             WorkerStats s = w.stats();
+             py::dict d;
+             d["bytes_pushed"] = s.bytes_pushed;
+             d["bytes_pulled"] = s.bytes_pulled;
+             d["partitions"] = s.partitions;
+             return d;
+           })
+      .def("shutdown", &Worker::Shutdown, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,44 @@
+// Reusable, 64-byte aligned byte buffers. Servers receive every partition into one and
+// hand the reduced result to several sender threads through shared_ptr; recycling them
+// avoids a fresh mmap + page faults for every 4 MB partition.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace bps {
+
+class Buffer {
+ public:
+  explicit Buffer(size_t size);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  char* data() { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  char* data_;
+  size_t size_;
+};
+
+class BufferPool : public std::enable_shared_from_this<BufferPool> {
+ public:
+  static std::shared_ptr<BufferPool> Create(size_t max_free_per_size = 64) {
+    return std::shared_ptr<BufferPool>(new BufferPool(max_free_per_size));
+  }
+  // A buffer of exactly `size` bytes; it returns to the pool when the last owner drops it.
+  std::shared_ptr<Buffer> Acquire(size_t size);
+
+ private:
+  explicit BufferPool(size_t max_free) : max_free_(max_free) {}
+  void Release(Buffer* b);
+  std::mutex mu_;
+  std::map<size_t, std::vector<std::unique_ptr<Buffer>>> free_;
+  size_t max_free_;
+};
+
+}  // namespace bps

@@ -1,0 +1,67 @@
+#include "common.h"
+
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+
+namespace bps {
+
+namespace {
+const char* kNames[kNumDTypes] = {"float16", "bfloat16", "float32", "float64",
+                                  "int8",    "uint8",    "int32",   "int64"};
+const size_t kSizes[kNumDTypes] = {2, 2, 4, 8, 1, 1, 4, 8};
+
+std::mutex g_log_mu;
+std::string g_log_prefix = "bpstrain";
+
+LogLevel ThresholdFromEnv() {
+  const char* v = std::getenv("BPSTRAIN_LOG_LEVEL");
+  if (!v) return LogLevel::kWarn;
+  std::string s(v);
+  if (s == "debug") return LogLevel::kDebug;
+  if (s == "info") return LogLevel::kInfo;
+  if (s == "error") return LogLevel::kError;
+  return LogLevel::kWarn;
+}
+}  // namespace
+
+bool ValidDType(int code) { return code >= 0 && code < kNumDTypes; }
+size_t DTypeSize(DType t) { return kSizes[static_cast<int>(t)]; }
+const char* DTypeName(DType t) { return kNames[static_cast<int>(t)]; }
+
+DType ParseDType(const std::string& name) {
+  for (int i = 0; i < kNumDTypes; ++i)
+    if (name == kNames[i]) return static_cast<DType>(i);
+  throw Error(Error::kConfig,
+              "unsupported dtype; expected one of float16, bfloat16, float32, float64, "
+              "int8, uint8, int32, int64. Received: dtype=" + name);
+}
+
+void SetLogPrefix(const std::string& prefix) {
+  std::lock_guard<std::mutex> lk(g_log_mu);
+  g_log_prefix = prefix;
+}
+
+void LogMessage(LogLevel level, const std::string& msg) {
+  static const LogLevel threshold = ThresholdFromEnv();
+  if (level < threshold) return;
+  static const char* tags[] = {"debug", "info", "warning", "error"};
+  std::lock_guard<std::mutex> lk(g_log_mu);
+  std::fprintf(stderr, "[%s %s] %s\n", g_log_prefix.c_str(), tags[static_cast<int>(level)],
+               msg.c_str());
+  std::fflush(stderr);
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) os << ", ";
+    os << shape[i];
+  }
+  if (shape.size() == 1) os << ",";
+  os << ")";
+  return os.str();
+}
+
+}  // namespace bps

@@ -1,0 +1,70 @@
+// Shared vocabulary of the engine: dtypes, the error type that travels to Python,
+// logging, and small time helpers.
+//
+// Nothing in the engine calls abort()/exit(): every failure is an bps::Error with a
+// Kind that the bindings map to one Python exception class (bindings/module.cc).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace bps {
+
+// Element types understood by the wire protocol and the summation kernels.
+// The numeric values travel on the wire: never reorder.
+enum class DType : uint8_t {
+  kFloat16 = 0,
+  kBFloat16 = 1,
+  kFloat32 = 2,
+  kFloat64 = 3,
+  kInt8 = 4,
+  kUInt8 = 5,
+  kInt32 = 6,
+  kInt64 = 7,
+};
+constexpr int kNumDTypes = 8;
+
+size_t DTypeSize(DType t);
+const char* DTypeName(DType t);
+// Parses "float32" etc. Throws Error(kConfig) naming the accepted spellings.
+DType ParseDType(const std::string& name);
+bool ValidDType(int code);
+
+// The one exception type of the engine. `kind` selects the Python class.
+class Error : public std::runtime_error {
+ public:
+  enum Kind {
+    kGeneric = 0,   // -> bpstrain.errors.BpsError
+    kMismatch = 1,  // cross-rank shape/dtype disagreement -> MismatchError
+    kPeer = 2,      // a peer died or closed its connection -> PeerError
+    kTimeout = 3,   // a wait ran past its deadline -> BpsTimeoutError
+    kConfig = 4,    // bad option/environment -> ConfigError (ValueError)
+    kShutdown = 5,  // the engine was shut down while waiting -> BpsError
+  };
+  Error(Kind kind, const std::string& msg) : std::runtime_error(msg), kind_(kind) {}
+  Kind kind() const { return kind_; }
+
+ private:
+  Kind kind_;
+};
+
+// Logging goes to stderr with a role prefix; the launcher adds its own rank prefix.
+enum class LogLevel { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
+void SetLogPrefix(const std::string& prefix);
+void LogMessage(LogLevel level, const std::string& msg);
+inline void LogWarn(const std::string& m) { LogMessage(LogLevel::kWarn, m); }
+inline void LogInfo(const std::string& m) { LogMessage(LogLevel::kInfo, m); }
+inline void LogDebug(const std::string& m) { LogMessage(LogLevel::kDebug, m); }
+
+using Clock = std::chrono::steady_clock;
+inline double SecondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape);
+
+}  // namespace bps

@@ -1,0 +1,138 @@
+#include "control.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+
+namespace bps {
+
+const char* RoleName(Role r) {
+  switch (r) {
+    case Role::kScheduler: return "scheduler";
+    case Role::kServer: return "server";
+    default: return "worker";
+  }
+}
+
+std::string SecretToken(const std::string& secret) {
+  if (secret.empty()) return "";
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : "bpstrain-secret:" + secret) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+Welcome ControlClient::Connect(const std::string& host, int port, const NodeInfo& me,
+                               double timeout_s, Handler on_frame, LostHandler on_lost,
+                               const std::atomic<bool>* cancel) {
+  auto start = Clock::now();
+  conn_ = std::make_unique<Connection>(ConnectWithRetry(host, port, timeout_s, cancel),
+                                       "scheduler " + host + ":" + std::to_string(port));
+  char hostname[256] = {0};
+  gethostname(hostname, sizeof hostname - 1);
+  MetaWriter w;
+  w.U32(static_cast<uint32_t>(me.role)).I64(me.rank_hint).U32(static_cast<uint32_t>(me.listen_port));
+  w.Str(me.advertise_host).Str(SecretToken(me.secret)).I64(getpid()).Str(hostname);
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(MsgType::kHello);
+  conn_->Send(h, w.bytes());
+
+  // Wait for kWelcome in short slices so `cancel` (Ctrl-C, shutdown) is honoured.
+  conn_->SetRecvTimeout(0.2);
+  FrameHeader r;
+  std::string meta;
+  for (;;) {
+    try {
+      if (!conn_->RecvFrame(&r, &meta, 0))
+        throw Error(Error::kPeer, "the scheduler closed the connection during rendezvous");
+      break;
+    } catch (const Error& e) {
+      if (e.kind() != Error::kTimeout) throw;
+      if (cancel && cancel->load()) throw Error(Error::kShutdown, "rendezvous cancelled");
+      if (SecondsSince(start) > timeout_s)
+        throw Error(Error::kTimeout,
+                    "rendezvous did not complete within " + std::to_string(static_cast<int>(timeout_s)) +
+                        " s: the scheduler is up but not every worker/server has joined (check "
+                        "DMLC_NUM_WORKER / DMLC_NUM_SERVER and that every process was started)");
+    } catch (const FrameError& e) {
+      throw Error(Error::kPeer, std::string("malformed frame from the scheduler: ") + e.what());
+    }
+  }
+  conn_->SetRecvTimeout(0);
+  MetaReader rd(meta);
+  if (r.type == static_cast<uint16_t>(MsgType::kError))
+    throw Error(Error::kConfig, "the scheduler refused this node: " + rd.Str());
+  if (r.type != static_cast<uint16_t>(MsgType::kWelcome))
+    throw Error(Error::kPeer, "unexpected frame type " + std::to_string(r.type) + " during rendezvous");
+  Welcome wel;
+  try {
+    wel.rank = rd.I64();
+    wel.num_workers = static_cast<int>(rd.U32());
+    wel.num_servers = static_cast<int>(rd.U32());
+    for (int i = 0; i < wel.num_servers; ++i) {
+      std::string sh = rd.Str();
+      int sp = static_cast<int>(rd.U32());
+      wel.servers.emplace_back(sh, sp);
+    }
+  } catch (const FrameError& e) {
+    throw Error(Error::kPeer, std::string("malformed welcome from the scheduler: ") + e.what());
+  }
+  my_rank_ = wel.rank;
+  on_frame_ = std::move(on_frame);
+  on_lost_ = std::move(on_lost);
+  reader_ = std::thread([this] { ReadLoop(); });
+  heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+  return wel;
+}
+
+void ControlClient::Send(MsgType type, const std::string& meta, uint64_t key, int64_t arg) {
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(type);
+  h.key = key;
+  h.arg = arg;
+  h.sender = static_cast<int32_t>(my_rank_);
+  conn_->Send(h, meta);
+}
+
+void ControlClient::ReadLoop() {
+  std::string reason;
+  try {
+    FrameHeader h;
+    std::string meta;
+    while (conn_->RecvFrame(&h, &meta, 0)) on_frame_(h, meta);
+    reason = "the scheduler closed the control connection";
+  } catch (const std::exception& e) {
+    reason = std::string("control connection to the scheduler failed: ") + e.what();
+  }
+  if (!closing_.load() && on_lost_) on_lost_(reason);
+}
+
+void ControlClient::HeartbeatLoop() {
+  std::unique_lock<std::mutex> lk(hb_mu_);
+  while (!closing_.load()) {
+    hb_cv_.wait_for(lk, std::chrono::seconds(1));
+    if (closing_.load()) break;
+    try {
+      Send(MsgType::kHeartbeat);
+    } catch (const std::exception&) {
+      break;  // the reader reports the loss
+    }
+  }
+}
+
+void ControlClient::Close() {
+  if (closing_.exchange(true)) return;
+  hb_cv_.notify_all();
+  if (conn_) conn_->Shutdown();
+  if (heartbeat_.joinable()) heartbeat_.join();
+  if (reader_.joinable()) {
+    if (reader_.get_id() == std::this_thread::get_id()) reader_.detach();
+    else reader_.join();
+  }
+}
+
+}  // namespace bps

@@ -1,0 +1,76 @@
+// The control-plane client every server and worker uses to talk to the scheduler:
+// handshake (kHello -> kWelcome), heartbeats, and a reader thread that hands every
+// later control frame to the owner's callback. Written once, used by both roles.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+#include "net.h"
+
+namespace bps {
+
+enum class Role : uint32_t { kScheduler = 0, kServer = 1, kWorker = 2 };
+const char* RoleName(Role r);
+
+// What a node says about itself in kHello.
+struct NodeInfo {
+  Role role = Role::kWorker;
+  int64_t rank_hint = -1;      // requested rank/server id, -1 = assign in arrival order
+  int listen_port = 0;         // servers: their data port
+  std::string advertise_host;  // "" = the scheduler uses the address it sees
+  std::string secret;
+};
+
+// What the scheduler answers in kWelcome.
+struct Welcome {
+  int64_t rank = -1;
+  int num_workers = 0;
+  int num_servers = 0;
+  std::vector<std::pair<std::string, int>> servers;  // index = server id
+};
+
+// Token a node presents for cluster.secret. A keyed FNV-1a hash: it keeps stray jobs
+// and port scanners out; it is not a defence against an attacker on the network.
+std::string SecretToken(const std::string& secret);
+
+class ControlClient {
+ public:
+  using Handler = std::function<void(const FrameHeader&, const std::string& meta)>;
+  using LostHandler = std::function<void(const std::string& reason)>;
+
+  ControlClient() = default;
+  ~ControlClient() { Close(); }
+
+  // Connects (retrying until `timeout_s`), sends kHello and waits for kWelcome. Then
+  // starts the reader thread (frames -> `on_frame`, connection loss -> `on_lost`) and a
+  // heartbeat thread. Throws Error(kTimeout/kPeer/kConfig) with the reason.
+  Welcome Connect(const std::string& host, int port, const NodeInfo& me, double timeout_s,
+                  Handler on_frame, LostHandler on_lost, const std::atomic<bool>* cancel);
+
+  void Send(MsgType type, const std::string& meta = "", uint64_t key = 0, int64_t arg = 0);
+  // Stops the threads; the connection closes without reporting a loss.
+  void Close();
+
+ private:
+  void ReadLoop();
+  void HeartbeatLoop();
+
+  std::unique_ptr<Connection> conn_;
+  Handler on_frame_;
+  LostHandler on_lost_;
+  std::atomic<bool> closing_{false};
+  std::thread reader_, heartbeat_;
+  std::mutex hb_mu_;
+  std::condition_variable hb_cv_;
+  int64_t my_rank_ = -1;
+};
+
+}  // namespace bps

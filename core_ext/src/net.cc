@@ -1,0 +1,232 @@
+#include "net.h"
+
+#include <arpa/inet.h>
+#include <cerrno>
+#include <cstring>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <thread>
+#include <unistd.h>
+
+namespace bps {
+
+namespace {
+
+void TuneSocket(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+}
+
+bool Resolve(const std::string& host, int port, sockaddr_in* out) {
+  std::memset(out, 0, sizeof *out);
+  out->sin_family = AF_INET;
+  out->sin_port = htons(static_cast<uint16_t>(port));
+  if (host.empty() || host == "0.0.0.0") {
+    out->sin_addr.s_addr = htonl(INADDR_ANY);
+    return true;
+  }
+  if (inet_pton(AF_INET, host.c_str(), &out->sin_addr) == 1) return true;
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_INET;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || !res) return false;
+  out->sin_addr = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
+  freeaddrinfo(res);
+  return true;
+}
+
+}  // namespace
+
+Listener::Listener(const std::string& host, int port) {
+  sockaddr_in addr;
+  if (!Resolve(host, port, &addr))
+    throw Error(Error::kConfig, "cannot resolve listen address. Received: host=" + host);
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw Error(Error::kGeneric, std::string("socket(): ") + strerror(errno));
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    int e = errno;
+    close(fd);
+    throw Error(Error::kConfig, "cannot listen on " + host + ":" + std::to_string(port) + ": " +
+                                    strerror(e) + " (is the port in use?)");
+  }
+  listen(fd, 512);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  port_ = ntohs(addr.sin_port);
+  fd_ = fd;
+}
+
+Listener::~Listener() { Close(); }
+
+void Listener::Close() {
+  int fd = fd_.exchange(-1);
+  if (fd >= 0) {
+    shutdown(fd, SHUT_RDWR);
+    close(fd);
+  }
+}
+
+int Listener::Accept(std::string* peer_ip) {
+  for (;;) {
+    int lfd = fd_.load();
+    if (lfd < 0) return -1;
+    sockaddr_in addr;
+    socklen_t len = sizeof addr;
+    int fd = accept4(lfd, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC);
+    if (fd >= 0) {
+      TuneSocket(fd);
+      char buf[INET_ADDRSTRLEN] = {0};
+      inet_ntop(AF_INET, &addr.sin_addr, buf, sizeof buf);
+      if (peer_ip) *peer_ip = buf;
+      return fd;
+    }
+    if (errno == EINTR || errno == ECONNABORTED) continue;
+    if (fd_.load() < 0) return -1;
+    if (errno == EMFILE || errno == ENFILE) {  // out of fds: back off instead of spinning
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    return -1;
+  }
+}
+
+int ConnectWithRetry(const std::string& host, int port, double deadline_s,
+                     const std::atomic<bool>* cancel) {
+  sockaddr_in addr;
+  if (!Resolve(host, port, &addr))
+    throw Error(Error::kConfig, "cannot resolve address. Received: host=" + host);
+  auto start = Clock::now();
+  int last_errno = 0;
+  for (int attempt = 0;; ++attempt) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw Error(Error::kGeneric, std::string("socket(): ") + strerror(errno));
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+      TuneSocket(fd);
+      return fd;
+    }
+    last_errno = errno;
+    close(fd);
+    if ((cancel && cancel->load()) || SecondsSince(start) > deadline_s)
+      throw Error(Error::kTimeout, "could not connect to " + host + ":" + std::to_string(port) +
+                                       " within " + std::to_string(static_cast<int>(deadline_s)) +
+                                       " s (" + strerror(last_errno) +
+                                       "); is the scheduler/server running and reachable?");
+    std::this_thread::sleep_for(std::chrono::milliseconds(attempt < 20 ? 50 : 200));
+  }
+}
+
+Connection::Connection(int fd, std::string peer) : fd_(fd), peer_(std::move(peer)) {}
+
+Connection::~Connection() {
+  Shutdown();
+  close(fd_);
+}
+
+void Connection::Shutdown() {
+  if (!down_.exchange(true)) shutdown(fd_, SHUT_RDWR);
+}
+
+void Connection::SetRecvTimeout(double seconds) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(seconds);
+  tv.tv_usec = static_cast<suseconds_t>((seconds - tv.tv_sec) * 1e6);
+  setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+}
+
+void Connection::Send(FrameHeader h, const std::string& meta, const void* body,
+                      uint64_t body_len) {
+  h.magic = kFrameMagic;
+  h.meta_len = static_cast<uint32_t>(meta.size());
+  h.body_len = body_len;
+  iovec iov[3] = {{&h, sizeof h},
+                  {const_cast<char*>(meta.data()), meta.size()},
+                  {const_cast<void*>(body), static_cast<size_t>(body_len)}};
+  int idx = 0;
+  std::lock_guard<std::mutex> lk(send_mu_);
+  while (idx < 3) {
+    if (iov[idx].iov_len == 0) {
+      ++idx;
+      continue;
+    }
+    msghdr msg{};
+    msg.msg_iov = iov + idx;
+    msg.msg_iovlen = 3 - idx;
+    ssize_t n = sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw Error(Error::kPeer, "connection to " + peer_ + " lost while sending: " +
+                                    strerror(errno));
+    }
+    size_t left = static_cast<size_t>(n);
+    while (idx < 3 && left >= iov[idx].iov_len) {
+      left -= iov[idx].iov_len;
+      ++idx;
+    }
+    if (idx < 3) {
+      iov[idx].iov_base = static_cast<char*>(iov[idx].iov_base) + left;
+      iov[idx].iov_len -= left;
+    }
+  }
+}
+
+bool Connection::RecvAll(void* dst, uint64_t n, bool eof_ok) {
+  char* p = static_cast<char*>(dst);
+  uint64_t got = 0;
+  while (got < n) {
+    ssize_t r = recv(fd_, p + got, static_cast<size_t>(std::min<uint64_t>(n - got, 1 << 30)), 0);
+    if (r > 0) {
+      got += static_cast<uint64_t>(r);
+      continue;
+    }
+    if (r < 0 && errno == EINTR) continue;
+    if (r == 0 && got == 0 && eof_ok) return false;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+      throw Error(Error::kTimeout, "receive from " + peer_ + " timed out");
+    throw Error(Error::kPeer, "connection to " + peer_ + " closed" +
+                                  (r < 0 ? std::string(": ") + strerror(errno)
+                                         : std::string(" mid-frame")));
+  }
+  return true;
+}
+
+bool Connection::RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body) {
+  if (!RecvAll(h, sizeof *h, /*eof_ok=*/true)) return false;
+  CheckHeader(*h, max_body);
+  meta->resize(h->meta_len);
+  if (h->meta_len) RecvAll(&(*meta)[0], h->meta_len, false);
+  return true;
+}
+
+void Connection::RecvBody(void* dst, uint64_t n) { RecvAll(dst, n, false); }
+
+void Connection::DiscardBody(uint64_t n) {
+  char buf[65536];
+  while (n) {
+    uint64_t k = std::min<uint64_t>(n, sizeof buf);
+    RecvAll(buf, k, false);
+    n -= k;
+  }
+}
+
+std::string InterfaceAddress(const std::string& ifname) {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return "";
+  std::string out;
+  for (ifaddrs* a = list; a; a = a->ifa_next) {
+    if (!a->ifa_addr || a->ifa_addr->sa_family != AF_INET || ifname != a->ifa_name) continue;
+    char buf[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, buf, sizeof buf);
+    out = buf;
+    break;
+  }
+  freeifaddrs(list);
+  return out;
+}
+
+}  // namespace bps

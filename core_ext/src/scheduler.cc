@@ -1,0 +1,368 @@
+#include "scheduler.h"
+
+#include <algorithm>
+
+namespace bps {
+
+struct Scheduler::Node {
+  std::shared_ptr<Connection> conn;
+  std::string peer_ip;
+  Role role = Role::kWorker;
+  int64_t rank_hint = -1;
+  int64_t rank = -1;  // worker rank or server id once rendezvous completes
+  int listen_port = 0;
+  std::string host;  // address others use to reach a server
+  int64_t pid = 0;
+  std::string hostname;
+  bool goodbye = false;
+  bool registered = false;
+  Clock::time_point last_seen = Clock::now();
+
+  std::string Describe() const {
+    std::string who = std::string(RoleName(role)) + (rank >= 0 ? " " + std::to_string(rank) : "");
+    return who + " (pid " + std::to_string(pid) + " on " + hostname + ")";
+  }
+};
+
+Scheduler::Scheduler(const SchedulerOptions& opts)
+    : opts_(opts), listener_(opts.host, opts.port) {
+  if (opts.num_workers < 1 || opts.num_servers < 1)
+    throw Error(Error::kConfig, "a job needs at least one worker and one server. Received: workers=" +
+                                    std::to_string(opts.num_workers) +
+                                    ", servers=" + std::to_string(opts.num_servers));
+  server_load_.assign(opts.num_servers, 0);
+}
+
+Scheduler::~Scheduler() { Stop(); }
+
+void Scheduler::Start() {
+  start_time_ = Clock::now();
+  accept_thread_ = std::thread([this] { AcceptLoop(); });
+  monitor_thread_ = std::thread([this] { MonitorLoop(); });
+}
+
+void Scheduler::Stop() {
+  if (stopping_.exchange(true)) return;
+  listener_.Close();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& n : nodes_) n->conn->Shutdown();
+    cv_.notify_all();
+  }
+  if (accept_thread_.joinable()) accept_thread_.join();
+  if (monitor_thread_.joinable()) monitor_thread_.join();
+  std::vector<std::thread> threads;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    threads.swap(threads_);
+  }
+  for (auto& t : threads) t.join();
+}
+
+bool Scheduler::Wait(double seconds) {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait_for(lk, std::chrono::duration<double>(seconds),
+               [&] { return finished_ || !failure_.empty(); });
+  if (!failure_.empty()) throw Error(failure_kind_, failure_);
+  return finished_;
+}
+
+void Scheduler::AcceptLoop() {
+  for (;;) {
+    std::string ip;
+    int fd = listener_.Accept(&ip);
+    if (fd < 0) return;
+    auto node = std::make_shared<Node>();
+    node->conn = std::make_shared<Connection>(fd, ip);
+    node->peer_ip = ip;
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopping_) return;
+    threads_.emplace_back([this, node] { ServeConnection(node); });
+  }
+}
+
+void Scheduler::SendError(const std::shared_ptr<Node>& node, const std::string& msg) {
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(MsgType::kError);
+  try {
+    node->conn->Send(h, MetaWriter().Str(msg).bytes());
+  } catch (const std::exception&) {
+  }
+}
+
+bool Scheduler::Handshake(const std::shared_ptr<Node>& node) {
+  node->conn->SetRecvTimeout(10.0);  // a silent client must not hold this thread forever
+  FrameHeader h;
+  std::string meta;
+  if (!node->conn->RecvFrame(&h, &meta, 0)) return false;
+  if (h.type != static_cast<uint16_t>(MsgType::kHello))
+    throw FrameError("expected a hello frame first, got type " + std::to_string(h.type));
+  MetaReader r(meta);
+  uint32_t role = r.U32();
+  if (role != static_cast<uint32_t>(Role::kServer) && role != static_cast<uint32_t>(Role::kWorker))
+    throw FrameError("hello with unknown role " + std::to_string(role));
+  node->role = static_cast<Role>(role);
+  node->rank_hint = r.I64();
+  node->listen_port = static_cast<int>(r.U32());
+  std::string advertise = r.Str();
+  std::string token = r.Str();
+  node->pid = r.I64();
+  node->hostname = r.Str();
+  node->host = advertise.empty() ? node->peer_ip : advertise;
+  node->conn->SetRecvTimeout(0);
+  if (token != SecretToken(opts_.secret)) {
+    LogWarn("refused a " + std::string(RoleName(node->role)) + " from " + node->peer_ip +
+            ": wrong or missing cluster secret");
+    SendError(node, "wrong or missing cluster secret (set the same cluster.secret / BPSTRAIN_SECRET "
+                    "on every node)");
+    return false;
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  int have = 0;
+  for (auto& n : nodes_) have += n->role == node->role;
+  int want = node->role == Role::kServer ? opts_.num_servers : opts_.num_workers;
+  std::string dup;
+  for (auto& n : nodes_)
+    if (n->role == node->role && node->rank_hint >= 0 && n->rank_hint == node->rank_hint)
+      dup = n->Describe();
+  if (rendezvous_done_ || have >= want || node->rank_hint >= want || !dup.empty()) {
+    std::string why = rendezvous_done_ || have >= want
+                          ? "the job already has all " + std::to_string(want) + " " + RoleName(node->role) + "s"
+                          : !dup.empty() ? "rank " + std::to_string(node->rank_hint) + " is already taken by " + dup
+                                         : "rank " + std::to_string(node->rank_hint) + " is out of range [0, " +
+                                               std::to_string(want) + ")";
+    LogWarn("refused a " + std::string(RoleName(node->role)) + " from " + node->peer_ip + ": " + why);
+    SendError(node, why + ". Received: rank=" + std::to_string(node->rank_hint));
+    return false;
+  }
+  node->registered = true;
+  node->last_seen = Clock::now();
+  nodes_.push_back(node);
+  if (static_cast<int>(nodes_.size()) == opts_.num_workers + opts_.num_servers) CompleteRendezvousLocked();
+  return true;
+}
+
+void Scheduler::CompleteRendezvousLocked() {
+  // Honour requested ranks, then fill the gaps in arrival order.
+  for (Role role : {Role::kServer, Role::kWorker}) {
+    int want = role == Role::kServer ? opts_.num_servers : opts_.num_workers;
+    std::vector<bool> taken(want, false);
+    for (auto& n : nodes_)
+      if (n->role == role && n->rank_hint >= 0) taken[n->rank = n->rank_hint] = true;
+    int next = 0;
+    for (auto& n : nodes_) {
+      if (n->role != role || n->rank >= 0) continue;
+      while (taken[next]) ++next;
+      taken[next] = true;
+      n->rank = next;
+    }
+  }
+  std::vector<std::shared_ptr<Node>> servers(opts_.num_servers);
+  for (auto& n : nodes_)
+    if (n->role == Role::kServer) servers[n->rank] = n;
+  for (auto& n : nodes_) {
+    MetaWriter w;
+    w.I64(n->rank).U32(opts_.num_workers).U32(opts_.num_servers);
+    for (auto& s : servers) w.Str(s->host).U32(static_cast<uint32_t>(s->listen_port));
+    FrameHeader h;
+    h.type = static_cast<uint16_t>(MsgType::kWelcome);
+    try {
+      n->conn->Send(h, w.bytes());
+    } catch (const std::exception&) {
+    }  // its reader thread reports the loss
+  }
+  rendezvous_done_ = true;
+  LogInfo("rendezvous complete: " + std::to_string(opts_.num_workers) + " workers, " +
+          std::to_string(opts_.num_servers) + " servers");
+}
+
+void Scheduler::ServeConnection(std::shared_ptr<Node> node) {
+  std::string why;
+  try {
+    if (!Handshake(node)) return;
+    FrameHeader h;
+    std::string meta;
+    while (node->conn->RecvFrame(&h, &meta, 0)) HandleFrame(node, h, meta);
+    why = "closed its connection";
+  } catch (const FrameError& e) {
+    LogWarn("dropping connection from " + node->peer_ip + ": malformed frame: " + e.what());
+    why = std::string("sent a malformed frame (") + e.what() + ")";
+  } catch (const std::exception& e) {
+    why = std::string("lost its connection (") + e.what() + ")";
+  }
+  node->conn->Shutdown();
+  if (node->registered) OnDisconnect(node, why);
+}
+
+void Scheduler::HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader& h,
+                            const std::string& meta) {
+  switch (static_cast<MsgType>(h.type)) {
+    case MsgType::kHeartbeat: {
+      std::lock_guard<std::mutex> lk(mu_);
+      node->last_seen = Clock::now();
+      return;
+    }
+    case MsgType::kDeclare:
+      return HandleDeclare(node, meta);
+    case MsgType::kBarrier: {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (++barrier_count_ < opts_.num_workers) return;
+      barrier_count_ = 0;
+      FrameHeader r;
+      r.type = static_cast<uint16_t>(MsgType::kBarrierReply);
+      for (auto& n : nodes_)
+        if (n->role == Role::kWorker && !n->goodbye) try { n->conn->Send(r); } catch (...) {}
+      return;
+    }
+    case MsgType::kGoodbye: {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (node->role != Role::kWorker || node->goodbye) return;
+      node->goodbye = true;
+      if (++goodbyes_ < opts_.num_workers) return;
+      FrameHeader r;
+      r.type = static_cast<uint16_t>(MsgType::kTerminate);
+      for (auto& n : nodes_)
+        if (n->role == Role::kServer) try { n->conn->Send(r); } catch (...) {}
+      finished_ = true;
+      cv_.notify_all();
+      return;
+    }
+    default:
+      throw FrameError("unexpected frame type " + std::to_string(h.type) + " at the scheduler");
+  }
+}
+
+void Scheduler::HandleDeclare(const std::shared_ptr<Node>& node, const std::string& meta) {
+  MetaReader r(meta);
+  std::string name = r.Str();
+  Declaration d;
+  d.dtype = static_cast<int>(r.U32());
+  d.shape = r.I64Vec();
+  d.partition_bytes = r.I64();
+  if (!ValidDType(d.dtype) || d.partition_bytes <= 0) throw FrameError("declare with bad dtype/partition");
+  std::lock_guard<std::mutex> lk(mu_);
+  if (node->role != Role::kWorker) throw FrameError("declare from a non-worker");
+  auto& pend = pending_decls_[name];
+  pend[node->rank] = d;
+  if (static_cast<int>(pend.size()) < opts_.num_workers) return;
+
+  // Every rank has declared `name`: compare them all against rank 0 (or the registry).
+  auto describe = [](const Declaration& x) {
+    return std::string("dtype=") + DTypeName(static_cast<DType>(x.dtype)) +
+           " shape=" + ShapeString(x.shape);
+  };
+  std::string error;
+  const Declaration* ref = &pend.begin()->second;
+  int64_t ref_rank = pend.begin()->first;
+  auto reg = registry_.find(name);
+  for (auto& [rank, decl] : pend) {
+    if (decl == *ref) continue;
+    error = "tensor '" + name + "' disagrees across ranks: rank " + std::to_string(ref_rank) + " has " +
+            describe(*ref) + " but rank " + std::to_string(rank) + " has " + describe(decl);
+    if (decl.partition_bytes != ref->partition_bytes)
+      error += " (partition_bytes " + std::to_string(ref->partition_bytes) + " vs " +
+               std::to_string(decl.partition_bytes) + ")";
+    break;
+  }
+  if (error.empty() && reg != registry_.end() && !(reg->second.decl == *ref))
+    error = "tensor '" + name + "' was registered earlier with " + describe(reg->second.decl) +
+            " but every rank now declares " + describe(*ref);
+  MetaWriter w;
+  w.Str(name);
+  if (!error.empty()) {
+    w.U32(1).Str(error + ". Use the same shape and dtype on every rank (or another name).");
+  } else {
+    if (reg == registry_.end())
+      reg = registry_.emplace(name, Tensor{next_tensor_id_, *ref, PlaceLocked(next_tensor_id_, *ref)}).first,
+      ++next_tensor_id_;
+    w.U32(0);
+    std::string bytes = w.bytes() + reg->second.placement;
+    w = MetaWriter();
+    FrameHeader h;
+    h.type = static_cast<uint16_t>(MsgType::kDeclareReply);
+    for (auto& n : nodes_)
+      if (n->role == Role::kWorker) try { n->conn->Send(h, bytes); } catch (...) {}
+    pending_decls_.erase(name);
+    return;
+  }
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(MsgType::kDeclareReply);
+  for (auto& n : nodes_)
+    if (n->role == Role::kWorker) try { n->conn->Send(h, w.bytes()); } catch (...) {}
+  pending_decls_.erase(name);
+}
+
+std::string Scheduler::PlaceLocked(int64_t id, const Declaration& d) {
+  int64_t elems = 1;
+  for (int64_t s : d.shape) elems *= s;
+  const int64_t esize = static_cast<int64_t>(DTypeSize(static_cast<DType>(d.dtype)));
+  const int64_t total = elems * esize;
+  // Partitions hold whole elements; an empty tensor still gets one (empty) partition so
+  // the round structure stays the same.
+  int64_t part = std::max<int64_t>(esize, d.partition_bytes / esize * esize);
+  int64_t nparts = std::max<int64_t>(1, (total + part - 1) / part);
+  MetaWriter w;
+  w.I64(id).U32(static_cast<uint32_t>(nparts));
+  for (int64_t p = 0; p < nparts; ++p) {
+    int64_t off = p * part, len = std::min(part, total - off);
+    // Byte-balanced placement: the least-loaded server takes the next partition.
+    int server = static_cast<int>(std::min_element(server_load_.begin(), server_load_.end()) -
+                                  server_load_.begin());
+    server_load_[server] += std::max<int64_t>(len, 1);
+    w.I64(off).I64(len).U32(static_cast<uint32_t>(server));
+  }
+  return w.bytes();
+}
+
+void Scheduler::OnDisconnect(const std::shared_ptr<Node>& node, const std::string& why) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (stopping_ || finished_) return;
+  if (node->role == Role::kWorker && node->goodbye) return;
+  if (!rendezvous_done_) {  // not part of a job yet: forget it, a replacement may come
+    nodes_.erase(std::remove(nodes_.begin(), nodes_.end(), node), nodes_.end());
+    LogWarn(node->Describe() + " left before the rendezvous completed");
+    return;
+  }
+  FailLocked(node->Describe() + " " + why + "; the job cannot continue");
+}
+
+void Scheduler::FailLocked(const std::string& msg) {
+  if (!failure_.empty()) return;
+  LogWarn(msg);
+  failure_ = msg;
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(MsgType::kPeerDead);
+  std::string meta = MetaWriter().Str(msg).bytes();
+  for (auto& n : nodes_) try { n->conn->Send(h, meta); } catch (...) {}
+  cv_.notify_all();
+}
+
+void Scheduler::MonitorLoop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  while (!stopping_ && !finished_ && failure_.empty()) {
+    cv_.wait_for(lk, std::chrono::milliseconds(200));
+    if (stopping_) return;
+    if (!rendezvous_done_) {
+      if (SecondsSince(start_time_) > opts_.rendezvous_timeout) {
+        int w = 0, s = 0;
+        for (auto& n : nodes_) (n->role == Role::kWorker ? w : s)++;
+        failure_kind_ = Error::kTimeout;
+        FailLocked("rendezvous timed out after " + std::to_string(static_cast<int>(opts_.rendezvous_timeout)) +
+                   " s: " + std::to_string(w) + "/" + std::to_string(opts_.num_workers) + " workers and " +
+                   std::to_string(s) + "/" + std::to_string(opts_.num_servers) + " servers joined");
+      }
+      continue;
+    }
+    for (auto& n : nodes_) {
+      if (n->goodbye) continue;
+      double silent = SecondsSince(n->last_seen);
+      if (silent > opts_.peer_timeout) {
+        FailLocked(n->Describe() + " sent no heartbeat for " + std::to_string(static_cast<int>(silent)) +
+                   " s (hung or unreachable); the job cannot continue");
+        break;
+      }
+    }
+  }
+}
+
+}  // namespace bps

@@ -1,0 +1,96 @@
+// The scheduler: rendezvous, the tensor registry, barriers and liveness.
+//
+// Usage (what `python -m bpstrain.launch` does with DMLC_ROLE=scheduler):
+//   bps::SchedulerOptions o; o.num_workers = 2; o.num_servers = 1; o.port = 9000;
+//   bps::Scheduler s(o);   // binds now; s.port() is the real port when o.port == 0
+//   s.Start();             // background threads
+//   while (!s.Wait(0.1)) { /* check Ctrl-C */ }   // returns true when the job is over;
+//                          // throws Error(kPeer) if a node died, kTimeout on rendezvous
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common.h"
+#include "control.h"
+#include "net.h"
+
+namespace bps {
+
+struct SchedulerOptions {
+  int num_workers = 1;
+  int num_servers = 1;
+  std::string host = "0.0.0.0";
+  int port = 0;
+  double rendezvous_timeout = 120.0;  // seconds until every node must have joined
+  double peer_timeout = 30.0;         // seconds without a heartbeat before a node is dead
+  std::string secret;
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(const SchedulerOptions& opts);
+  ~Scheduler();
+  int port() const { return listener_.port(); }
+  void Start();
+  // True once every worker has said goodbye and the servers were told to exit.
+  // Throws the job's failure (a dead node, a rendezvous timeout).
+  bool Wait(double seconds);
+  void Stop();
+
+ private:
+  struct Node;
+  struct Declaration {
+    int dtype;
+    std::vector<int64_t> shape;
+    int64_t partition_bytes;
+    bool operator==(const Declaration& o) const {
+      return dtype == o.dtype && shape == o.shape && partition_bytes == o.partition_bytes;
+    }
+  };
+  struct Tensor {
+    int64_t id;
+    Declaration decl;
+    std::string placement;  // serialized partition table sent to every worker
+  };
+
+  void AcceptLoop();
+  void ServeConnection(std::shared_ptr<Node> node);
+  bool Handshake(const std::shared_ptr<Node>& node);
+  void HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader& h, const std::string& meta);
+  void HandleDeclare(const std::shared_ptr<Node>& node, const std::string& meta);
+  void CompleteRendezvousLocked();
+  void OnDisconnect(const std::shared_ptr<Node>& node, const std::string& why);
+  void FailLocked(const std::string& msg);
+  void MonitorLoop();
+  std::string PlaceLocked(int64_t id, const Declaration& d);
+  void SendError(const std::shared_ptr<Node>& node, const std::string& msg);
+
+  SchedulerOptions opts_;
+  Listener listener_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::shared_ptr<Node>> nodes_;  // registered (handshake done)
+  std::vector<std::thread> threads_;
+  std::thread accept_thread_, monitor_thread_;
+  bool rendezvous_done_ = false;
+  bool finished_ = false;
+  std::string failure_;
+  Error::Kind failure_kind_ = Error::kPeer;
+  std::atomic<bool> stopping_{false};
+  Clock::time_point start_time_;
+  std::map<std::string, std::map<int64_t, Declaration>> pending_decls_;
+  std::map<std::string, Tensor> registry_;
+  std::vector<int64_t> server_load_;
+  int64_t next_tensor_id_ = 0;
+  int barrier_count_ = 0;
+  int goodbyes_ = 0;
+};
+
+}  // namespace bps

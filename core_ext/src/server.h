@@ -1,0 +1,100 @@
+// A summation server: holds one merge buffer per (partition key, round), adds up the
+// workers' pushes with SIMD kernels on several engine threads, and answers every
+// worker with the sum once the round is complete.
+//
+// Usage (what `python -m bpstrain.launch` does with DMLC_ROLE=server):
+//   bps::ServerOptions o; o.scheduler_host = "10.0.0.1"; o.scheduler_port = 9000;
+//   bps::Server s(o);
+//   s.Start();
+//   while (!s.Wait(0.1)) {}  // true once the scheduler says every worker is gone;
+//                            // throws Error(kPeer) when a node of the job died
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "buffer_pool.h"
+#include "common.h"
+#include "control.h"
+#include "net.h"
+
+namespace bps {
+
+struct ServerOptions {
+  std::string scheduler_host = "127.0.0.1";
+  int scheduler_port = 0;
+  std::string listen_host = "0.0.0.0";
+  std::string advertise_host;  // DMLC_NODE_HOST; "" = what the scheduler sees
+  int server_id = -1;          // -1 = assigned by the scheduler
+  int engine_threads = 2;
+  std::string numa = "auto";
+  double rendezvous_timeout = 120.0;
+  std::string secret;
+};
+
+class Server {
+ public:
+  explicit Server(const ServerOptions& opts);
+  ~Server();
+  int port() const { return listener_.port(); }
+  void Start();
+  bool Wait(double seconds);
+  void Stop();
+
+ private:
+  struct Conn;
+  struct Task {
+    std::shared_ptr<Conn> from;
+    FrameHeader h;
+    std::shared_ptr<Buffer> body;  // null for an empty (broadcast non-root) push
+  };
+  struct Round {
+    DType dtype;
+    uint64_t len = 0;
+    int pushes = 0;
+    std::shared_ptr<Buffer> acc;  // native dtypes: the sum itself; fp16/bf16: fp32 sums
+    std::shared_ptr<Buffer> root_data;  // broadcast: the root's payload
+    std::vector<std::shared_ptr<Conn>> waiters;
+  };
+  struct EngineThread {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Task> queue;
+    std::map<std::pair<uint64_t, uint64_t>, Round> rounds;  // (key, version) -> state
+    std::thread thread;
+  };
+
+  void Run();
+  void AcceptLoop();
+  void ServeConnection(std::shared_ptr<Conn> conn);
+  void EngineLoop(EngineThread* et, int index);
+  void Process(EngineThread* et, Task& t);
+  void OnControl(const FrameHeader& h, const std::string& meta);
+  void Finish(const std::string& failure);
+
+  ServerOptions opts_;
+  Listener listener_;
+  std::shared_ptr<BufferPool> pool_ = BufferPool::Create();
+  ControlClient control_;
+  std::vector<int> cpus_;
+  int num_workers_ = 0;
+  std::vector<std::unique_ptr<EngineThread>> engines_;
+  std::thread main_thread_, accept_thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::shared_ptr<Conn>> conns_;
+  std::vector<std::thread> conn_threads_;
+  bool done_ = false;
+  std::string failure_;
+  Error::Kind failure_kind_ = Error::kPeer;
+  std::atomic<bool> stopping_{false};
+};
+
+}  // namespace bps

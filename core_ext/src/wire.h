@@ -1,0 +1,126 @@
+// The wire protocol: one fixed header per frame, then `meta_len` bytes of
+// small structured metadata (MetaWriter/MetaReader), then `body_len` bytes of tensor
+// data. Every field read off the network is bounds-checked before use; a frame that
+// fails a check raises FrameError and the caller drops that connection.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace bps {
+
+constexpr uint32_t kFrameMagic = 0x31535042;  // "BPS1" little-endian
+constexpr uint32_t kMaxMetaLen = 1 << 20;     // 1 MiB of metadata is far beyond any real frame
+constexpr uint64_t kMaxBodyLen = 1ull << 31;  // one partition never exceeds 2 GiB
+
+enum class MsgType : uint16_t {
+  kHello = 1,         // node -> scheduler: role, rank hint, listen port, secret proof
+  kWelcome = 2,       // scheduler -> node: assigned rank, sizes, server address book
+  kDeclare = 3,       // worker -> scheduler: name, dtype, shape, partition bytes
+  kDeclareReply = 4,  // scheduler -> worker: tensor id + partition placement, or error
+  kBarrier = 5,       // worker -> scheduler
+  kBarrierReply = 6,  // scheduler -> worker
+  kHeartbeat = 7,     // node -> scheduler
+  kGoodbye = 8,       // worker -> scheduler: this worker shut down cleanly
+  kTerminate = 9,     // scheduler -> server: every worker is gone, exit
+  kPeerDead = 10,     // scheduler -> everyone: a node died; meta holds the reason
+  kError = 11,        // any -> any: a refused request; meta holds the message
+  kPush = 12,         // worker -> server: one partition of one round
+  kPullReply = 13,    // server -> worker: the reduced partition of that round
+  kServerHello = 14,  // worker -> server: identifies the worker on a data connection
+};
+
+// Flags of kPush frames.
+enum PushFlags : uint16_t {
+  kFlagBroadcast = 1,  // round is a broadcast: the root's data is the result
+  kFlagEmpty = 2,      // no body (a broadcast non-root); `arg` still holds the length
+};
+
+#pragma pack(push, 1)
+struct FrameHeader {
+  uint32_t magic = kFrameMagic;
+  uint16_t type = 0;
+  uint16_t flags = 0;
+  uint32_t meta_len = 0;
+  int32_t sender = -1;
+  int64_t arg = 0;
+  uint64_t key = 0;
+  uint64_t version = 0;
+  uint64_t body_len = 0;
+};
+#pragma pack(pop)
+static_assert(sizeof(FrameHeader) == 48, "header layout is part of the protocol");
+
+// Raised for a malformed frame; the connection that sent it is dropped.
+class FrameError : public std::runtime_error {
+ public:
+  explicit FrameError(const std::string& m) : std::runtime_error(m) {}
+};
+
+// Validates magic, type range and lengths. `max_body` is the receiver's own limit.
+void CheckHeader(const FrameHeader& h, uint64_t max_body);
+
+class MetaWriter {
+ public:
+  MetaWriter& U32(uint32_t v) { return Raw(&v, 4); }
+  MetaWriter& I64(int64_t v) { return Raw(&v, 8); }
+  MetaWriter& Str(const std::string& s) {
+    U32(static_cast<uint32_t>(s.size()));
+    return Raw(s.data(), s.size());
+  }
+  MetaWriter& I64Vec(const std::vector<int64_t>& v) {
+    U32(static_cast<uint32_t>(v.size()));
+    for (int64_t x : v) I64(x);
+    return *this;
+  }
+  const std::string& bytes() const { return buf_; }
+
+ private:
+  MetaWriter& Raw(const void* p, size_t n) {
+    buf_.append(static_cast<const char*>(p), n);
+    return *this;
+  }
+  std::string buf_;
+};
+
+class MetaReader {
+ public:
+  explicit MetaReader(const std::string& buf) : buf_(buf) {}
+  uint32_t U32() { uint32_t v; Raw(&v, 4); return v; }
+  int64_t I64() { int64_t v; Raw(&v, 8); return v; }
+  std::string Str() {
+    uint32_t n = U32();
+    Need(n);
+    std::string s = buf_.substr(pos_, n);
+    pos_ += n;
+    return s;
+  }
+  std::vector<int64_t> I64Vec() {
+    uint32_t n = U32();
+    Need(static_cast<uint64_t>(n) * 8);
+    std::vector<int64_t> v(n);
+    for (auto& x : v) x = I64();
+    return v;
+  }
+
+ private:
+  void Need(uint64_t n) {
+    if (pos_ + n > buf_.size())
+      throw FrameError("metadata truncated: need " + std::to_string(n) + " more bytes, have " +
+                       std::to_string(buf_.size() - pos_));
+  }
+  void Raw(void* p, size_t n) {
+    Need(n);
+    std::memcpy(p, buf_.data() + pos_, n);
+    pos_ += n;
+  }
+  const std::string& buf_;
+  size_t pos_ = 0;
+};
+
+}  // namespace bps

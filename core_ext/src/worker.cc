@@ -1,0 +1,440 @@
+#include "worker.h"
+
+#include <algorithm>
+
+#include "affinity.h"
+#include "reduce.h"
+
+namespace bps {
+
+struct Worker::Handle {
+  int64_t id = 0;
+  bool barrier = false;
+  OpRequest req;
+  uint64_t version = 0;
+  int total_parts = 0;
+  int remaining = 0;
+  bool done = false;
+  Error::Kind kind = Error::kGeneric;
+  std::string error;
+};
+
+struct Worker::Tensor {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+  int64_t id = -1;
+  bool declared = false;
+  std::vector<Part> parts;
+  uint64_t next_version = 0;
+  std::vector<std::shared_ptr<Handle>> waiting;  // ops queued before the declare reply
+};
+
+namespace {
+constexpr int kPartBits = 20;  // key = tensor id << 20 | partition index
+
+std::string Describe(DType d, const std::vector<int64_t>& s) {
+  return std::string("dtype=") + DTypeName(d) + " shape=" + ShapeString(s);
+}
+}  // namespace
+
+Worker::Worker(const WorkerOptions& opts) : opts_(opts) {
+  if (opts.partition_bytes < 1)
+    throw Error(Error::kConfig, "partition_bytes must be positive. Received: partition_bytes=" +
+                                    std::to_string(opts.partition_bytes));
+  if (opts.connections_per_server < 1 || opts.connections_per_server > 64)
+    throw Error(Error::kConfig, "connections_per_server must be in [1, 64]. Received: " +
+                                    std::to_string(opts.connections_per_server));
+  if (opts.local_size < 1 || opts.local_rank < 0 || opts.local_rank >= opts.local_size)
+    throw Error(Error::kConfig, "local_rank must be in [0, local_size). Received: local_rank=" +
+                                    std::to_string(opts.local_rank) + ", local_size=" +
+                                    std::to_string(opts.local_size));
+  cpus_ = ResolveCpuSpec(opts.numa, opts.local_rank);
+}
+
+Worker::~Worker() { Shutdown(); }
+
+void Worker::Start() { rendezvous_thread_ = std::thread([this] { Rendezvous(); }); }
+
+void Worker::Rendezvous() {
+  try {
+    NodeInfo me;
+    me.role = Role::kWorker;
+    me.rank_hint = opts_.rank_hint;
+    me.secret = opts_.secret;
+    Welcome w = control_.Connect(
+        opts_.scheduler_host, opts_.scheduler_port, me, opts_.rendezvous_timeout,
+        [this](const FrameHeader& h, const std::string& m) { OnControl(h, m); },
+        [this](const std::string& why) {
+          if (!stopping_) Fail(Error::kPeer, why);
+        },
+        &stopping_);
+    rank_ = static_cast<int>(w.rank);
+    size_ = w.num_workers;
+    servers_ = w.servers;
+    SetLogPrefix("bpstrain worker " + std::to_string(rank_));
+    std::string token = SecretToken(opts_.secret);
+    std::vector<std::unique_ptr<DataConn>> conns;
+    for (int s = 0; s < static_cast<int>(servers_.size()); ++s) {
+      for (int c = 0; c < opts_.connections_per_server; ++c) {
+        auto dc = std::make_unique<DataConn>();
+        dc->server = s;
+        const auto& [host, port] = servers_[s];
+        dc->link = std::make_unique<Connection>(
+            ConnectWithRetry(host, port, opts_.rendezvous_timeout, &stopping_),
+            "server " + std::to_string(s) + " at " + host + ":" + std::to_string(port));
+        FrameHeader h;
+        h.type = static_cast<uint16_t>(MsgType::kServerHello);
+        dc->link->Send(h, MetaWriter().I64(rank_).Str(token).bytes());
+        conns.push_back(std::move(dc));
+      }
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopping_) return;
+    queues_.assign(servers_.size(), std::priority_queue<Task, std::vector<Task>, TaskOrder>(
+                                        TaskOrder{opts_.priority}));
+    credit_ = opts_.credit_bytes > 0
+                  ? opts_.credit_bytes
+                  : std::max<int64_t>(2 * opts_.partition_bytes * static_cast<int64_t>(conns.size()), 1 << 20);
+    conns_ = std::move(conns);
+    for (auto& dc : conns_) {
+      DataConn* p = dc.get();
+      p->sender = std::thread([this, p] { SenderLoop(p); });
+      p->receiver = std::thread([this, p] { ReceiverLoop(p); });
+    }
+    ready_ = true;
+    cv_.notify_all();
+  } catch (const Error& e) {
+    Fail(e.kind(), e.what());
+  } catch (const std::exception& e) {
+    Fail(Error::kGeneric, e.what());
+  }
+}
+
+bool Worker::WaitReady(double seconds) {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait_for(lk, std::chrono::duration<double>(seconds), [&] { return ready_ || failed_; });
+  if (failed_) throw Error(fail_kind_, fail_msg_);
+  return ready_;
+}
+
+void Worker::SendDeclareLocked(Tensor& t) {
+  MetaWriter w;
+  w.Str(t.name).U32(static_cast<uint32_t>(t.dtype)).I64Vec(t.shape).I64(opts_.partition_bytes);
+  control_.Send(MsgType::kDeclare, w.bytes());
+}
+
+void Worker::Declare(const std::string& name, DType dtype, const std::vector<int64_t>& shape) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (failed_) throw Error(fail_kind_, "the engine failed earlier: " + fail_msg_);
+  if (!ready_) throw Error(Error::kGeneric, "the worker is not initialized; call init() first");
+  auto it = tensors_.find(name);
+  if (it != tensors_.end()) {
+    if (it->second->dtype != dtype || it->second->shape != shape)
+      throw Error(Error::kMismatch, "tensor '" + name + "' was declared on this rank with " +
+                                        bps::Describe(it->second->dtype, it->second->shape) +
+                                        "; it cannot change. Received: " + bps::Describe(dtype, shape));
+    return;
+  }
+  auto t = std::make_unique<Tensor>();
+  t->name = name;
+  t->dtype = dtype;
+  t->shape = shape;
+  SendDeclareLocked(*t);
+  tensors_[name] = std::move(t);
+}
+
+int64_t Worker::Enqueue(const OpRequest& req) {
+  if (req.op == Op::kBroadcast && (req.root < 0 || req.root >= size_))
+    throw Error(Error::kConfig, "broadcast root must be in [0, " + std::to_string(size_) +
+                                    "). Received: root_rank=" + std::to_string(req.root));
+  for (int64_t d : req.shape)
+    if (d < 0) throw Error(Error::kConfig, "negative dimension in shape " + ShapeString(req.shape));
+  Declare(req.name, req.dtype, req.shape);
+  std::lock_guard<std::mutex> lk(mu_);
+  if (failed_) throw Error(fail_kind_, "the engine failed earlier: " + fail_msg_);
+  Tensor& t = *tensors_.at(req.name);
+  auto h = std::make_shared<Handle>();
+  h->id = next_handle_++;
+  h->req = req;
+  h->version = t.next_version++;
+  handles_[h->id] = h;
+  if (t.declared) ScheduleLocked(h, t);
+  else t.waiting.push_back(h);
+  return h->id;
+}
+
+int64_t Worker::EnqueueBarrier() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (failed_) throw Error(fail_kind_, "the engine failed earlier: " + fail_msg_);
+  if (!ready_) throw Error(Error::kGeneric, "the worker is not initialized; call init() first");
+  auto h = std::make_shared<Handle>();
+  h->id = next_handle_++;
+  h->barrier = true;
+  h->req.name = "<barrier>";
+  handles_[h->id] = h;
+  barrier_waiters_.push_back(h);
+  control_.Send(MsgType::kBarrier);
+  return h->id;
+}
+
+void Worker::ScheduleLocked(const std::shared_ptr<Handle>& h, Tensor& t) {
+  h->total_parts = h->remaining = static_cast<int>(t.parts.size());
+  for (size_t p = 0; p < t.parts.size(); ++p) {
+    const Part& part = t.parts[p];
+    uint64_t key = (static_cast<uint64_t>(t.id) << kPartBits) | p;
+    queues_[part.server].push(
+        Task{h, key, h->version, part.offset, part.len, part.server, h->req.priority, next_seq_++});
+  }
+  send_cv_.notify_all();
+}
+
+void Worker::OnControl(const FrameHeader& h, const std::string& meta) {
+  switch (static_cast<MsgType>(h.type)) {
+    case MsgType::kDeclareReply:
+      return OnDeclareReply(meta);
+    case MsgType::kBarrierReply: {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (barrier_waiters_.empty()) return;
+      auto b = barrier_waiters_.front();
+      barrier_waiters_.pop_front();
+      b->done = true;
+      cv_.notify_all();
+      return;
+    }
+    case MsgType::kPeerDead:
+      return Fail(Error::kPeer, MetaReader(meta).Str());
+    case MsgType::kError:
+      return Fail(Error::kGeneric, "the scheduler reported: " + MetaReader(meta).Str());
+    default:
+      return;
+  }
+}
+
+void Worker::OnDeclareReply(const std::string& meta) {
+  MetaReader r(meta);
+  std::string name = r.Str();
+  uint32_t status = r.U32();
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) return;
+  Tensor& t = *it->second;
+  if (status != 0) {
+    std::string msg = r.Str();
+    for (auto& h : t.waiting) FailHandleLocked(h, Error::kMismatch, msg);
+    tensors_.erase(it);  // every rank forgets it, so a corrected retry declares afresh
+    return;
+  }
+  t.id = r.I64();
+  uint32_t nparts = r.U32();
+  for (uint32_t p = 0; p < nparts; ++p) {
+    Part part;
+    part.offset = r.I64();
+    part.len = r.I64();
+    part.server = static_cast<int>(r.U32());
+    if (part.server < 0 || part.server >= static_cast<int>(servers_.size()))
+      throw FrameError("partition placed on unknown server " + std::to_string(part.server));
+    t.parts.push_back(part);
+  }
+  t.declared = true;
+  for (auto& h : t.waiting) ScheduleLocked(h, t);
+  t.waiting.clear();
+}
+
+void Worker::SenderLoop(DataConn* c) {
+  SetupEngineThread("bps-send" + std::to_string(c->server), cpus_);
+  auto& q = queues_[c->server];
+  for (;;) {
+    Task t;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      send_cv_.wait(lk, [&] {
+        return stopping_ || failed_ ||
+               (!q.empty() && (bytes_in_flight_ == 0 || bytes_in_flight_ + q.top().len <= credit_));
+      });
+      if (stopping_ || failed_) return;
+      t = q.top();
+      q.pop();
+      if (t.handle->done) continue;  // its op already failed
+      bytes_in_flight_ += t.len;
+      in_flight_[{t.key, t.version}] = t;
+    }
+    const OpRequest& req = t.handle->req;
+    const bool bcast = req.op == Op::kBroadcast;
+    const bool send_body = !bcast || req.root == rank_;
+    FrameHeader h;
+    h.type = static_cast<uint16_t>(MsgType::kPush);
+    h.key = t.key;
+    h.version = t.version;
+    h.arg = t.len;
+    h.sender = rank_;
+    h.flags = static_cast<uint16_t>((static_cast<int>(req.dtype) << 8) | (bcast ? kFlagBroadcast : 0) |
+                                    (send_body ? 0 : kFlagEmpty));
+    try {
+      c->link->Send(h, "", send_body ? static_cast<const char*>(req.input) + t.offset : nullptr,
+                    send_body ? t.len : 0);
+    } catch (const Error& e) {
+      if (!stopping_) Fail(Error::kPeer, e.what());
+      return;
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    stats_.bytes_pushed += send_body ? t.len : 0;
+  }
+}
+
+void Worker::ReceiverLoop(DataConn* c) {
+  SetupEngineThread("bps-recv" + std::to_string(c->server), cpus_);
+  try {
+    FrameHeader h;
+    std::string meta;
+    while (c->link->RecvFrame(&h, &meta, kMaxBodyLen)) {
+      const bool ok = h.type == static_cast<uint16_t>(MsgType::kPullReply);
+      if (!ok && h.type != static_cast<uint16_t>(MsgType::kError))
+        throw FrameError("unexpected frame type " + std::to_string(h.type) + " from a server");
+      Task t;
+      bool discard = false;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        auto it = in_flight_.find({h.key, h.version});
+        if (it == in_flight_.end())
+          throw FrameError("reply for a partition that is not in flight (key " + std::to_string(h.key) + ")");
+        t = it->second;
+        in_flight_.erase(it);
+        discard = t.handle->done;
+      }
+      if (ok && h.body_len != static_cast<uint64_t>(t.len))
+        throw FrameError("reply of " + std::to_string(h.body_len) + " bytes for a partition of " +
+                         std::to_string(t.len));
+      const OpRequest& req = t.handle->req;
+      char* dst = static_cast<char*>(req.output) + t.offset;
+      if (!ok || discard) {
+        c->link->DiscardBody(h.body_len);
+      } else {
+        c->link->RecvBody(dst, h.body_len);
+        if (req.op == Op::kAverage)
+          DivideInPlace(req.dtype, dst, static_cast<size_t>(t.len) / DTypeSize(req.dtype), size_);
+      }
+      std::lock_guard<std::mutex> lk(mu_);
+      bytes_in_flight_ -= t.len;
+      stats_.bytes_pulled += ok ? t.len : 0;
+      ++stats_.partitions;
+      if (!ok) FailHandleLocked(t.handle, Error::kGeneric, "server: " + MetaReader(meta).Str());
+      CompletePartLocked(t.handle, t.len);
+      send_cv_.notify_all();
+    }
+    if (!stopping_) Fail(Error::kPeer, c->link->peer() + " closed the connection (server died?)");
+  } catch (const FrameError& e) {
+    Fail(Error::kPeer, "malformed frame from " + c->link->peer() + ": " + e.what());
+  } catch (const Error& e) {
+    if (!stopping_) Fail(Error::kPeer, e.what());
+  }
+}
+
+void Worker::CompletePartLocked(const std::shared_ptr<Handle>& h, int64_t) {
+  if (--h->remaining <= 0 && !h->done) {
+    h->done = true;
+    cv_.notify_all();
+  }
+}
+
+void Worker::FailHandleLocked(const std::shared_ptr<Handle>& h, Error::Kind kind, const std::string& msg) {
+  if (h->error.empty()) {
+    h->error = msg;
+    h->kind = kind;
+  }
+  h->done = true;
+  cv_.notify_all();
+}
+
+void Worker::Fail(Error::Kind kind, const std::string& msg) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (failed_) return;
+  failed_ = true;
+  fail_kind_ = kind;
+  fail_msg_ = msg;
+  for (auto& [id, h] : handles_)
+    if (!h->done) FailHandleLocked(h, kind, msg);
+  cv_.notify_all();
+  send_cv_.notify_all();
+}
+
+std::shared_ptr<Worker::Handle> Worker::TakeHandle(int64_t id, bool* done) {
+  auto it = handles_.find(id);
+  if (it == handles_.end())
+    throw Error(Error::kConfig, "unknown handle " + std::to_string(id) + " (already synchronized?)");
+  auto h = it->second;
+  *done = h->done;
+  if (h->done) handles_.erase(it);
+  return h;
+}
+
+bool Worker::Poll(int64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  bool done;
+  auto h = TakeHandle(id, &done);
+  if (done && !h->error.empty()) throw Error(h->kind, h->error);
+  return done;
+}
+
+bool Worker::WaitFor(int64_t id, double seconds) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto it = handles_.find(id);
+  if (it == handles_.end())
+    throw Error(Error::kConfig, "unknown handle " + std::to_string(id) + " (already synchronized?)");
+  auto h = it->second;
+  cv_.wait_for(lk, std::chrono::duration<double>(seconds), [&] { return h->done; });
+  if (!h->done) return false;
+  handles_.erase(h->id);
+  if (!h->error.empty()) throw Error(h->kind, h->error);
+  return true;
+}
+
+std::string Worker::Describe(int64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = handles_.find(id);
+  if (it == handles_.end()) return "unknown handle";
+  const Handle& h = *it->second;
+  if (h.barrier) return "barrier (waiting for every rank to reach it)";
+  auto t = tensors_.find(h.req.name);
+  bool declared = t != tensors_.end() && t->second->declared;
+  std::string what = h.req.op == Op::kBroadcast ? "broadcast" : "push_pull";
+  if (!declared)
+    return what + " of '" + h.req.name + "' is waiting for every rank to declare it (did every rank call it?)";
+  return what + " of '" + h.req.name + "' round " + std::to_string(h.version) + ": " +
+         std::to_string(h.remaining) + " of " + std::to_string(h.total_parts) +
+         " partitions still waiting for other ranks or servers";
+}
+
+WorkerStats Worker::stats() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return stats_;
+}
+
+void Worker::Shutdown() {
+  if (stopping_.exchange(true)) return;
+  bool said_goodbye = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (ready_ && !failed_) {
+      try {
+        control_.Send(MsgType::kGoodbye);
+        said_goodbye = true;
+      } catch (const std::exception&) {
+      }
+    }
+    for (auto& [id, h] : handles_)
+      if (!h->done) FailHandleLocked(h, Error::kShutdown, "the operation was still running when shutdown() was called");
+    send_cv_.notify_all();
+    cv_.notify_all();
+  }
+  (void)said_goodbye;
+  if (rendezvous_thread_.joinable()) rendezvous_thread_.join();
+  for (auto& c : conns_) c->link->Shutdown();
+  for (auto& c : conns_) {
+    if (c->sender.joinable()) c->sender.join();
+    if (c->receiver.joinable()) c->receiver.join();
+  }
+  control_.Close();
+}
+
+}  // namespace bps

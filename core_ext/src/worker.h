@@ -1,0 +1,165 @@
+// The worker side of push_pull: one per training process.
+//
+// Tensors are declared by name; the scheduler checks that every rank agrees on dtype
+// and shape and returns the partition table (partitions of at most partition_bytes,
+// placed on servers by bytes). Each operation becomes one task per partition in a
+// per-server priority queue; sender threads (connections_per_server per server) take
+// the most urgent task while the bytes in flight stay under the credit, push it, and
+// receiver threads write the reduced partition straight into the output buffer.
+//
+// Usage:
+//   bps::WorkerOptions o; o.scheduler_host = "127.0.0.1"; o.scheduler_port = 9000;
+//   bps::Worker w(o);
+//   w.Start(); while (!w.WaitReady(0.1)) {}       // rendezvous
+//   bps::OpRequest req{"grad.fc1", bps::DType::kFloat32, {1024}, in, out, bps::Op::kAverage};
+//   int64_t h = w.Enqueue(req);                    // returns at once
+//   while (!w.WaitFor(h, 0.1)) {}                  // throws the op's error, if any
+//   w.Shutdown();
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <queue>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "common.h"
+#include "control.h"
+#include "net.h"
+
+namespace bps {
+
+struct WorkerOptions {
+  std::string scheduler_host = "127.0.0.1";
+  int scheduler_port = 0;
+  int64_t rank_hint = -1;
+  int local_rank = 0;
+  int local_size = 1;
+  int64_t partition_bytes = 4 << 20;
+  int64_t credit_bytes = 0;  // 0 = auto: two partitions per data connection
+  int connections_per_server = 2;
+  bool priority = true;
+  std::string numa = "auto";
+  double rendezvous_timeout = 120.0;
+  std::string secret;
+};
+
+enum class Op : int { kSum = 0, kAverage = 1, kBroadcast = 2 };
+
+struct OpRequest {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  const void* input = nullptr;  // must stay valid until the op completes
+  void* output = nullptr;       // may equal input (in place)
+  Op op = Op::kSum;
+  int root = 0;                 // broadcast only
+  int priority = 0;             // larger = sooner; adapters pass -parameter_index
+};
+
+struct WorkerStats {
+  int64_t bytes_pushed = 0;
+  int64_t bytes_pulled = 0;
+  int64_t partitions = 0;
+};
+
+class Worker {
+ public:
+  explicit Worker(const WorkerOptions& opts);
+  ~Worker();
+
+  void Start();                    // begins the rendezvous in the background
+  bool WaitReady(double seconds);  // true once joined; throws on failure
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int num_servers() const { return static_cast<int>(servers_.size()); }
+  const WorkerOptions& options() const { return opts_; }
+
+  // Tells the scheduler about `name` now (optional: ops declare on first use).
+  void Declare(const std::string& name, DType dtype, const std::vector<int64_t>& shape);
+  // Queues an operation; returns a handle. Throws Error if the engine has failed.
+  int64_t Enqueue(const OpRequest& req);
+  int64_t EnqueueBarrier();
+  // True when done (the handle is then released). Throws the op's error (releasing it).
+  bool Poll(int64_t handle);
+  bool WaitFor(int64_t handle, double seconds);
+  // Describes what a handle still waits for (for timeout messages).
+  std::string Describe(int64_t handle);
+  WorkerStats stats();
+  void Shutdown();
+
+ private:
+  struct Handle;
+  struct Tensor;
+  struct Part {
+    int64_t offset, len;
+    int server;
+  };
+  struct Task {
+    std::shared_ptr<Handle> handle;
+    uint64_t key, version;
+    int64_t offset, len;
+    int server;
+    int priority;
+    uint64_t seq;
+  };
+  struct TaskOrder {
+    bool priority;
+    bool operator()(const Task& a, const Task& b) const {  // true = a after b
+      if (priority && a.priority != b.priority) return a.priority < b.priority;
+      return a.seq > b.seq;
+    }
+  };
+  struct DataConn {
+    std::unique_ptr<Connection> link;
+    int server;
+    std::thread sender, receiver;
+  };
+
+  void Rendezvous();
+  void OnControl(const FrameHeader& h, const std::string& meta);
+  void OnDeclareReply(const std::string& meta);
+  void ScheduleLocked(const std::shared_ptr<Handle>& h, Tensor& t);
+  void SenderLoop(DataConn* c);
+  void ReceiverLoop(DataConn* c);
+  void CompletePartLocked(const std::shared_ptr<Handle>& h, int64_t len);
+  void FailHandleLocked(const std::shared_ptr<Handle>& h, Error::Kind kind, const std::string& msg);
+  void Fail(Error::Kind kind, const std::string& msg);
+  std::shared_ptr<Handle> TakeHandle(int64_t id, bool* done);
+  void SendDeclareLocked(Tensor& t);
+
+  WorkerOptions opts_;
+  std::vector<int> cpus_;
+  ControlClient control_;
+  std::thread rendezvous_thread_;
+  int rank_ = -1, size_ = 0;
+  std::vector<std::pair<std::string, int>> servers_;
+  std::vector<std::unique_ptr<DataConn>> conns_;
+  int64_t credit_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_;       // handle completion, readiness
+  std::condition_variable send_cv_;  // work or credit for the senders
+  bool ready_ = false;
+  bool failed_ = false;
+  Error::Kind fail_kind_ = Error::kGeneric;
+  std::string fail_msg_;
+  std::atomic<bool> stopping_{false};
+  std::unordered_map<std::string, std::unique_ptr<Tensor>> tensors_;
+  std::unordered_map<int64_t, std::shared_ptr<Handle>> handles_;
+  std::vector<std::priority_queue<Task, std::vector<Task>, TaskOrder>> queues_;
+  std::map<std::pair<uint64_t, uint64_t>, Task> in_flight_;
+  std::deque<std::shared_ptr<Handle>> barrier_waiters_;
+  int64_t bytes_in_flight_ = 0;
+  int64_t next_handle_ = 1;
+  uint64_t next_seq_ = 0;
+  WorkerStats stats_;
+};
+
+}  // namespace bps
