@@ -258,7 +258,9 @@ def enqueue(
     uint16). ``out`` receives the result (it may be ``array`` itself).
     """
     state = _require()
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array)
+    if not array.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d into 1-d)
+        array = array.copy(order="C")
     dtype = dtype or dtype_name(array)
     if out is None:
         out = np.empty_like(array)
@@ -276,7 +278,10 @@ def enqueue(
         handle = next(state.local_handles)
         state.done_local[handle] = out
         return handle
-    handle = state.worker.enqueue(name, dtype, list(array.shape), array, out, op, root, priority)
+    src, dst = array, out
+    if array.dtype.name == "bfloat16":  # ml_dtypes arrays export no buffer format
+        src, dst = array.view(np.uint16), out.view(np.uint16)
+    handle = state.worker.enqueue(name, dtype, list(array.shape), src, dst, op, root, priority)
     state.ops[handle] = (name, array, out)
     return handle
 

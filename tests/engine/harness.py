@@ -23,7 +23,7 @@ class InProcessCluster:
         self.scheduler = _core.Scheduler(workers, servers, host="127.0.0.1", port=0,
                                          rendezvous_timeout=20, peer_timeout=10, secret=secret)
         self.scheduler.start()
-        port = self.scheduler.port
+        port = self.scheduler_port = self.scheduler.port
         self.servers = [
             _core.Server("127.0.0.1", port, listen_host="127.0.0.1", engine_threads=2, numa="off",
                          rendezvous_timeout=20, secret=secret)
@@ -77,7 +77,11 @@ def wait(worker, handle, timeout=30.0):
 def push_pull(worker, name, array, op=0, root=0, priority=0, out=None):
     """Blocking push_pull on one in-process worker; returns the output array."""
     out = np.empty_like(array) if out is None else out
-    dtype = "bfloat16" if array.dtype.name == "bfloat16" else array.dtype.name
-    h = worker.enqueue(name, dtype, list(array.shape), array, out, op, root, priority)
+    dtype = array.dtype.name
+    if dtype == "bfloat16":  # ml_dtypes arrays do not export a buffer format
+        array, out_view = array.view(np.uint16), out.view(np.uint16)
+    else:
+        out_view = out
+    h = worker.enqueue(name, dtype, list(array.shape), array, out_view, op, root, priority)
     wait(worker, h)
     return out
