@@ -26,28 +26,16 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from bpstrain.config.env import ClusterEnv, read_env
+from bpstrain.config.schema import CommConfig
 from bpstrain.errors import BpsTimeoutError, ConfigError
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
 _OP_SUM, _OP_AVERAGE, _OP_BROADCAST = 0, 1, 2
 _WAIT_SLICE = 0.1  # seconds per GIL-free wait; bounds Ctrl-C latency
 
-# Defaults of the comm options the engine reads; CommConfig (bpstrain.config.schema)
-# holds the user-facing copy of the same names.
-COMM_DEFAULTS: Dict[str, Any] = {
-    "partition_bytes": 4 << 20,
-    "priority": True,
-    "credit_bytes": 0,
-    "numa": "auto",
-    "connections_per_server": 2,
-    "engine_threads": 2,
-    "timeout": 30.0,
-    "op_timeout": 300.0,
-    "rendezvous_timeout": 120.0,
-    "compression": "none",
-    "hierarchical": False,
-    "secret": "",
-}
+# The comm options the engine reads, with their defaults: CommConfig is the one
+# source; the cluster secret travels with them.
+COMM_DEFAULTS: Dict[str, Any] = {**dataclasses.asdict(CommConfig()), "secret": ""}
 
 
 class _State:

@@ -1,0 +1,140 @@
+"""The typed configuration schema of bpstrain (OmegaConf structured config).
+
+Every knob of a run lives in one tree of dataclasses, :class:`Config`, with six
+sections: ``trainer``, ``data``, ``model``, ``optimizer``, ``cluster`` and ``comm``.
+Recipes (YAML) and command-line overrides are merged over these defaults by
+:func:`bpstrain.config.load_config`, which also rejects unknown or mistyped keys.
+
+Example:
+    >>> from bpstrain.config import load_config
+    >>> cfg = load_config({"trainer": {"epochs": 2}}, ["cluster.workers=2"])
+    >>> cfg.trainer.epochs, cfg.cluster.workers
+    (2, 2)
+
+The field comments below are the reference documentation of each key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+# Names the Trainer understands; the loader validates against these so that a typo
+# fails when the config is loaded, not minutes later in a child process.
+LOSSES = ("cross_entropy", "nll", "mse", "l1", "smooth_l1", "bce_with_logits")
+OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad")
+LR_SCHEDULES = ("constant", "cosine", "step")
+DATASETS = ("synthetic", "digits", "image_folder")
+COMPRESSIONS = ("none", "fp16")
+START_METHODS = ("auto", "spawn", "forkserver", "fork")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainerConfig:
+    """How long and how to train (``trainer.*``)."""
+
+    epochs: int = 1  # passes over the (per-worker shard of the) training data
+    batch_size: int = 32  # per worker, as in BytePS/Horovod; global = batch_size*workers
+    steps: Optional[int] = None  # cap on optimizer steps per epoch; null = whole epoch
+    loss: str = "cross_entropy"  # one of LOSSES
+    seed: int = 0  # base seed; each rank seeds with seed + rank for its data order
+    log_every: int = 10  # log metrics every N steps (rank 0)
+    out_dir: str = "runs"  # checkpoints, CSV logs, timeline and saved config go here
+    device: str = "auto"  # "auto" (cuda if available), "cpu" or "cuda"
+    progress: bool = True  # tqdm progress bar on rank 0
+    throughput: bool = False  # print samples/s (all workers together)
+    val_every: int = 1  # validate every N epochs; 0 = never
+    val_steps: Optional[int] = None  # cap on validation batches; null = whole split
+    checkpoint_every: int = 0  # save a checkpoint every N epochs; 0 = off
+    resume: Optional[str] = None  # checkpoint path, or "auto" = latest in out_dir
+    early_stopping_patience: int = 0  # epochs without improvement; 0 = off
+    monitor: str = "val_loss"  # metric for early stopping / best checkpoint
+    timeline: bool = False  # write a Chrome trace of communication to out_dir
+
+
+@dataclass
+class DataConfig:
+    """Which data to train on (``data.*``); used by recipes, ignored by ``fit(model, data)``."""
+
+    name: Optional[str] = None  # one of DATASETS; null = data is passed to fit()
+    path: Optional[str] = None  # image_folder root: class-per-subdirectory layout
+    # null = auto: synthetic for name=synthetic, and for image_folder without a path.
+    synthetic: Optional[bool] = None
+    num_classes: int = 1000  # classes of synthetic data
+    image_size: int = 224  # height = width of images (synthetic and image_folder)
+    channels: int = 3  # channels of synthetic images
+    synthetic_samples: int = 2048  # length of the synthetic training set
+    val_fraction: float = 0.2  # held-out share (digits; image_folder without val/)
+    shuffle: bool = True  # shuffle the training set every epoch
+    drop_last: bool = False  # drop the last incomplete batch
+    loader_workers: int = 0  # DataLoader worker processes per training process
+
+
+@dataclass
+class ModelConfig:
+    """Which reference model a recipe builds (``model.*``); see bpstrain.models."""
+
+    name: Optional[str] = None  # registered model name; null = model passed to fit()
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the model factory
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule (``optimizer.*``)."""
+
+    name: str = "sgd"  # one of OPTIMIZERS
+    lr: float = 0.01  # base learning rate (per worker unless scale_lr)
+    momentum: float = 0.9  # sgd / rmsprop
+    weight_decay: float = 0.0
+    nesterov: bool = False  # sgd only
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # adam / adamw
+    eps: float = 1e-8  # adam / adamw / rmsprop / adagrad
+    scale_lr: bool = False  # Horovod convention: lr *= number of workers
+    warmup_epochs: float = 0.0  # linear LR warm-up over this many epochs; 0 = off
+    schedule: str = "constant"  # one of LR_SCHEDULES, applied after warm-up
+    step_epochs: List[int] = field(default_factory=list)  # "step": decay at these epochs
+    gamma: float = 0.1  # "step": multiply lr by gamma at each step epoch
+    backward_passes_per_step: int = 1  # gradient accumulation before one push_pull
+
+
+@dataclass
+class ClusterConfig:
+    """The processes of a job (``cluster.*``); the Trainer brings up a local cluster."""
+
+    workers: int = 1  # worker processes in total (DMLC_NUM_WORKER)
+    servers: int = 1  # summation servers (DMLC_NUM_SERVER)
+    local_size: Optional[int] = None  # workers per host; null = all on this host
+    secret: Optional[str] = None  # shared secret checked at the handshake
+    host: str = "127.0.0.1"  # scheduler address (DMLC_PS_ROOT_URI)
+    port: int = 0  # scheduler port (DMLC_PS_ROOT_PORT); 0 = pick a free one
+    start_method: str = "auto"  # one of START_METHODS; auto = fork only when safe
+
+
+@dataclass
+class CommConfig:
+    """Knobs of the push_pull engine (``comm.*``); consumed by ``bpstrain.engine.init``."""
+
+    partition_bytes: int = 4_194_304  # largest piece a tensor is split into
+    priority: bool = True  # priority scheduling (front layers first) on/off
+    credit_bytes: int = 0  # bytes in flight per worker; 0 = auto
+    numa: str = "auto"  # "auto" | "off" | "node:N" | "cpus:0-3,8"
+    connections_per_server: int = 2
+    engine_threads: int = 2  # server summation threads
+    timeout: float = 30.0  # seconds without a heartbeat before a peer counts as dead
+    op_timeout: float = 300.0  # seconds a synchronize()/barrier waits before raising
+    rendezvous_timeout: float = 120.0  # seconds for every node to join the job
+    compression: str = "none"  # "none" | "fp16"
+    hierarchical: bool = False  # reduce inside a host before talking to servers
+
+
+@dataclass
+class Config:
+    """The whole configuration of a bpstrain run."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    comm: CommConfig = field(default_factory=CommConfig)

@@ -1,0 +1,281 @@
+"""Child processes with prefixed output, group teardown and a supervisor loop.
+
+Every child runs in its own session (``start_new_session=True``), so its process
+group id equals its pid and signalling the group also reaches grandchildren
+(e.g. a data-loader pool or a shell pipeline started by the user's command).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Iterator, Mapping, Sequence, TextIO
+
+DEFAULT_GRACE = 5.0
+"""Seconds between SIGTERM and SIGKILL when stopping children."""
+
+_write_lock = threading.Lock()
+
+
+class LaunchInterrupted(BaseException):
+    """Raised in the main thread when the launcher receives SIGTERM or SIGHUP.
+
+    A ``BaseException`` (like ``KeyboardInterrupt``) so ``except Exception``
+    blocks in user callbacks cannot swallow it.
+
+    Attributes:
+        signum: The signal that was received.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(f"received {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def exit_code(returncode: int) -> int:
+    """Maps a ``Popen.returncode`` to a shell-style exit status (signal N -> 128+N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def log(message: str) -> None:
+    """Writes one launcher message to stderr, prefixed with ``[launch]``."""
+    with _write_lock:
+        sys.stderr.write(f"[launch] {message}\n")
+        sys.stderr.flush()
+
+
+class Child:
+    """One process in its own session whose output is relayed line by line.
+
+    stdout and stderr are merged into one pipe; a reader thread prefixes every
+    line with ``[label]`` and writes it to ``output`` (``sys.stdout`` looked up
+    at write time, so notebook redirection works). A waiter thread reaps the
+    process and calls ``on_exit(child)``.
+
+    Args:
+        label: Name used in the prefix and in messages, e.g. ``"worker 1"``.
+        cmd: Command line.
+        env: Complete environment for the process.
+        on_exit: Called from the waiter thread once the process has exited.
+        output: Text stream for the relayed lines; ``None`` means ``sys.stdout``.
+
+    Raises:
+        OSError: When the command cannot be started (not found, not executable).
+    """
+
+    def __init__(self, label: str, cmd: Sequence[str], env: Mapping[str, str],
+                 on_exit: Callable[["Child"], None] | None = None,
+                 output: TextIO | None = None):
+        self.label = label
+        self.cmd = list(cmd)
+        self._output = output
+        self._on_exit = on_exit
+        self.exited = threading.Event()
+        self.proc = subprocess.Popen(
+            self.cmd, env=dict(env), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self.proc.pid
+        self._reader = threading.Thread(target=self._relay, daemon=True,
+                                        name=f"bpstrain-relay-{label}")
+        self._waiter = threading.Thread(target=self._wait, daemon=True,
+                                        name=f"bpstrain-wait-{label}")
+        self._reader.start()
+        self._waiter.start()
+
+    @property
+    def returncode(self) -> int | None:
+        """The ``Popen`` return code once the waiter has reaped it, else ``None``."""
+        return self.proc.returncode if self.exited.is_set() else None
+
+    def _relay(self) -> None:
+        prefix = f"[{self.label}] "
+        assert self.proc.stdout is not None
+        with self.proc.stdout as pipe:
+            for raw in iter(pipe.readline, b""):
+                text = raw.decode("utf-8", errors="replace")
+                if not text.endswith("\n"):
+                    text += "\n"
+                out = self._output if self._output is not None else sys.stdout
+                with _write_lock:
+                    try:
+                        out.write(prefix + text)
+                        out.flush()
+                    except (OSError, ValueError):
+                        pass  # Our stdout is gone (closed pipe); keep draining the child.
+
+    def _wait(self) -> None:
+        self.proc.wait()
+        self.exited.set()
+        if self._on_exit is not None:
+            self._on_exit(self)
+
+    def signal_group(self, sig: int) -> bool:
+        """Sends ``sig`` to the child's process group.
+
+        Returns:
+            False when no process of the group is left.
+        """
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            # The group id was taken over by an unrelated process; ours is gone.
+            return False
+        return True
+
+    def group_alive(self) -> bool:
+        """True while the child or any process left in its group is alive."""
+        if not self.exited.is_set():
+            return True
+        return self.signal_group(0) and _group_has_live_member(self.pid)
+
+    def join_output(self, timeout: float = 2.0) -> None:
+        """Waits until the relay has written everything the group printed."""
+        self._reader.join(timeout)
+
+
+def _group_has_live_member(pgid: int) -> bool:
+    """False when every process of group ``pgid`` is a zombie.
+
+    Orphaned grandchildren are re-parented to init, and some container inits
+    reap only every second or two; their zombies must not delay teardown.
+    """
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True  # No procfs: trust killpg(pgid, 0).
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # Exited while we looked.
+        if int(fields[2]) == pgid and fields[0] != b"Z":  # fields: state, ppid, pgrp
+            return True
+    return False
+
+
+def stop_children(children: Sequence[Child], grace: float = DEFAULT_GRACE) -> None:
+    """Stops every child and its group: SIGTERM, then SIGKILL after ``grace`` s.
+
+    Returns once the direct children are reaped and their groups are empty (or
+    SIGKILL was sent); a second Ctrl-C meanwhile is ignored so teardown finishes.
+
+    Args:
+        children: Children to stop; ones that already exited are fine.
+        grace: Seconds to wait after SIGTERM before sending SIGKILL.
+    """
+    with shield_signals():
+        alive = [c for c in children if c.group_alive() and c.signal_group(signal.SIGTERM)]
+        _wait_groups(alive, time.monotonic() + grace)
+        killed = [c for c in alive if c.group_alive() and c.signal_group(signal.SIGKILL)]
+        # SIGKILL is delivered asynchronously; wait so callers see no survivors.
+        _wait_groups(killed, time.monotonic() + 5.0)
+        for child in children:
+            child.join_output(1.0)
+
+
+def _wait_groups(children: Sequence[Child], deadline: float) -> None:
+    """Waits until every child and its process group are gone, or ``deadline``."""
+    for child in children:
+        child.exited.wait(max(0.0, deadline - time.monotonic()))
+    # Grandchildren were re-parented to init, so we cannot wait on them; group
+    # emptiness can only be polled.
+    while time.monotonic() < deadline and any(c.group_alive() for c in children):
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def shield_signals() -> Iterator[None]:
+    """Ignores SIGINT/SIGTERM in the block (main thread only) so cleanup completes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def terminate_raises() -> Iterator[None]:
+    """Turns SIGTERM/SIGHUP into :class:`LaunchInterrupted` (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, _frame):
+        raise LaunchInterrupted(signum)
+
+    saved = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue.Queue,
+              grace: float = DEFAULT_GRACE, service_timeout: float = 30.0) -> int:
+    """Waits for a job to finish and tears it down; the launcher's main loop.
+
+    The job fails as soon as any child exits non-zero: everything is stopped and
+    that child's exit code returned. Once all workers exited 0, services get
+    ``service_timeout`` seconds to exit on their own (they do once every worker
+    shut down); one still running then is stopped with a note, not a failure.
+    Ctrl-C / SIGTERM of the launcher stops everything and returns 128+signal.
+
+    Args:
+        workers: Worker children; all must exit 0.
+        services: Scheduler and server children.
+        events: Queue that receives each child (from ``on_exit``) as it exits.
+        grace: SIGTERM-to-SIGKILL delay for teardown.
+        service_timeout: How long services may outlive the workers.
+
+    Returns:
+        The exit status for the launcher.
+    """
+    everyone = [*workers, *services]
+    pending = {id(w) for w in workers}
+    try:
+        with terminate_raises():
+            deadline = None
+            while pending or any(not s.exited.is_set() for s in services):
+                timeout = 1.0 if deadline is None else deadline - time.monotonic()
+                if timeout <= 0:
+                    left = ", ".join(s.label for s in services if not s.exited.is_set())
+                    log(f"{left} still running {service_timeout:g}s after all workers "
+                        "finished; stopping")
+                    break
+                try:
+                    child = events.get(timeout=min(timeout, 1.0))
+                except queue.Empty:
+                    continue
+                code = exit_code(child.proc.returncode)
+                if code != 0:
+                    others = sum(1 for c in everyone if c is not child and not c.exited.is_set())
+                    log(f"{child.label} exited with code {code}; stopping the other "
+                        f"{others} process(es)")
+                    stop_children(everyone, grace)
+                    return code
+                pending.discard(id(child))
+                if not pending and deadline is None:
+                    deadline = time.monotonic() + service_timeout
+    except (KeyboardInterrupt, LaunchInterrupted) as exc:
+        signum = exc.signum if isinstance(exc, LaunchInterrupted) else signal.SIGINT
+        log(f"interrupted ({signal.Signals(signum).name}); stopping all processes")
+        stop_children(everyone, grace)
+        return 128 + signum
+    stop_children(everyone, grace)
+    return 0

@@ -1,0 +1,271 @@
+"""One-host clusters: scheduler + servers as child processes, plus worker commands.
+
+Example (notebook / benchmark)::
+
+    from bpstrain.launch import LocalServices
+
+    with LocalServices(workers=2, servers=1) as services:
+        procs = [subprocess.Popen(cmd, env=services.worker_env(i)) for i in range(2)]
+        ...
+        services.check()  # raises PeerError if the scheduler or a server died
+
+Example (what ``python -m bpstrain.launch`` does)::
+
+    code = launch_local(["python", "train.py"], workers=4, servers=2, local_size=2)
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Mapping, Sequence, TextIO
+
+from bpstrain.errors import ConfigError, PeerError
+from bpstrain.launch._procs import (DEFAULT_GRACE, Child, exit_code, log, stop_children,
+                                    supervise)
+
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+_PER_PROCESS_VARS = ("DMLC_ROLE", "DMLC_WORKER_ID", "DMLC_SERVER_ID", "BYTEPS_LOCAL_RANK",
+                     "BYTEPS_LOCAL_SIZE", "BPSTRAIN_LAUNCH_PARENT")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Returns a TCP port on ``host`` that was free a moment ago."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def check_layout(workers: int, servers: int, local_size: int | None) -> int:
+    """Validates a local cluster's shape and returns the effective local size.
+
+    Args:
+        workers: Number of worker processes (``DMLC_NUM_WORKER``).
+        servers: Number of summation servers (``DMLC_NUM_SERVER``).
+        local_size: Workers per emulated host; ``None`` means all on one host.
+
+    Raises:
+        ConfigError: (a ``ValueError``) When a count is not positive or ``workers`` is not a
+            multiple of ``local_size``.
+    """
+    for name, value in (("workers", workers), ("servers", servers)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer. Received: {name}={value!r}")
+    if local_size is None:
+        return workers
+    if not isinstance(local_size, int) or local_size < 1 or workers % local_size:
+        raise ConfigError(
+            "local_size must be a positive integer that divides workers (each host "
+            f"runs local_size workers). Received: workers={workers}, local_size={local_size!r}")
+    return local_size
+
+
+class LocalServices:
+    """Scheduler and ``servers`` servers for ``workers`` workers, as child processes.
+
+    Use as a context manager, or call :meth:`start` / :meth:`stop`. Services run
+    in their own process groups, are stopped at interpreter exit (atexit) and,
+    when started from the main thread, get SIGTERM if this process dies. They
+    exit on their own once every worker shut down: call :meth:`wait` before
+    :meth:`stop` for a clean end, :meth:`check` while workers run.
+
+    Args:
+        workers: Number of worker processes that will join.
+        servers: Number of summation servers to start.
+        local_size: Workers per emulated host (``BYTEPS_LOCAL_SIZE``); default all.
+        host: Address the scheduler listens on and every node binds to.
+        port: Scheduler port; a free one is picked when ``None``.
+        env: Extra variables for every process, over ``os.environ``.
+        output: Stream for the prefixed service output; ``None`` = ``sys.stdout``.
+        grace: Seconds between SIGTERM and SIGKILL in :meth:`stop`.
+        on_exit: Called (from a thread) with each service :class:`Child` as it exits.
+
+    Attributes:
+        role_cmd: Command that runs a role given ``DMLC_ROLE`` in its environment.
+            Tests replace it with a fake role.
+    """
+
+    role_cmd: Sequence[str] = (sys.executable, "-m", "bpstrain.launch")
+
+    def __init__(self, workers: int, servers: int = 1, local_size: int | None = None,
+                 host: str = "127.0.0.1", port: int | None = None,
+                 env: Mapping[str, str] | None = None, output: TextIO | None = None,
+                 grace: float = DEFAULT_GRACE, on_exit=None):
+        self.local_size = check_layout(workers, servers, local_size)
+        self.workers, self.servers, self.host = workers, servers, host
+        self.port = port
+        self.grace = grace
+        self.children: list[Child] = []
+        base = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        # A launcher started inside another job must not hand its own identity on.
+        self._env = {k: v for k, v in base.items() if k not in _PER_PROCESS_VARS}
+        self._output, self._on_exit = output, on_exit
+
+    def _common_env(self, role: str) -> dict[str, str]:
+        if self.port is None:
+            raise RuntimeError("LocalServices is not started: call start() or use `with`.")
+        return {**self._env, "DMLC_ROLE": role, "DMLC_NUM_WORKER": str(self.workers),
+                "DMLC_NUM_SERVER": str(self.servers), "DMLC_PS_ROOT_URI": self.host,
+                "DMLC_PS_ROOT_PORT": str(self.port), "DMLC_NODE_HOST": self.host}
+
+    def worker_env(self, i: int) -> dict[str, str]:
+        """The complete environment (``os.environ`` + ``env`` + cluster) for worker ``i``.
+
+        Args:
+            i: Global rank, ``0 <= i < workers``.
+        """
+        if not 0 <= i < self.workers:
+            raise ConfigError(f"worker index must be in [0, {self.workers}). Received: i={i!r}")
+        return {**self._common_env("worker"), "DMLC_WORKER_ID": str(i // self.local_size),
+                "BYTEPS_LOCAL_RANK": str(i % self.local_size),
+                "BYTEPS_LOCAL_SIZE": str(self.local_size)}
+
+    def _role_env(self, role: str) -> dict[str, str]:
+        env = self._common_env(role)
+        # Role processes must import the same bpstrain as we do, even when it is
+        # only on our sys.path (e.g. a notebook next to a source checkout). An
+        # installed copy is found anyway; putting site-packages first would let
+        # stale backports there shadow the standard library.
+        if Path(_PACKAGE_PARENT).name not in ("site-packages", "dist-packages"):
+            path = env.get("PYTHONPATH")
+            env["PYTHONPATH"] = _PACKAGE_PARENT + (os.pathsep + path if path else "")
+        if threading.current_thread() is threading.main_thread():
+            # Lets the role arm PR_SET_PDEATHSIG; only from the main thread, since
+            # the signal fires when the *thread* that forked exits.
+            env["BPSTRAIN_LAUNCH_PARENT"] = str(os.getpid())
+        return env
+
+    def start(self) -> "LocalServices":
+        """Starts the scheduler, then the servers. Returns ``self``.
+
+        Raises:
+            OSError: When the role command cannot be started.
+        """
+        if self.children:
+            raise RuntimeError("LocalServices already started; create a new one.")
+        if self.port is None:
+            self.port = free_port(self.host)
+        atexit.register(self.stop)
+        try:
+            self._spawn("scheduler", self._role_env("scheduler"))
+            for s in range(self.servers):
+                self._spawn(f"server {s}", {**self._role_env("server"), "DMLC_SERVER_ID": str(s)})
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, label: str, env: Mapping[str, str]) -> None:
+        self.children.append(Child(label, self.role_cmd, env, self._on_exit, self._output))
+
+    def check(self) -> None:
+        """Raises if any service has exited.
+
+        Raises:
+            bpstrain.errors.PeerError: Naming the first service that is gone and its
+                exit code.
+        """
+        for child in self.children:
+            if child.returncode is not None:
+                raise PeerError(
+                    f"{child.label} of the local cluster exited with code "
+                    f"{exit_code(child.returncode)}; its output above (prefixed "
+                    f"[{child.label}]) says why. Start a new LocalServices to continue.")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits for every service to exit on its own (they do once all workers shut down).
+
+        Returns:
+            True when all services have exited.
+        """
+        for child in self.children:
+            if not child.exited.wait(timeout):
+                return False
+        return True
+
+    def stop(self) -> None:
+        """Stops every service and its process group; idempotent."""
+        atexit.unregister(self.stop)
+        stop_children(self.children, self.grace)
+
+    def __enter__(self) -> "LocalServices":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LocalJob:
+    """A whole one-host job: :class:`LocalServices` plus ``workers`` copies of ``cmd``.
+
+    Args:
+        cmd: Worker command line.
+        workers, servers, local_size, host, port, env, output, grace: As for
+            :class:`LocalServices`.
+        service_timeout: Seconds services may keep running after every worker
+            exited 0 before they are stopped.
+    """
+
+    def __init__(self, cmd: Sequence[str], workers: int, servers: int = 1,
+                 local_size: int | None = None, host: str = "127.0.0.1",
+                 port: int | None = None, env: Mapping[str, str] | None = None,
+                 output: TextIO | None = None, grace: float = DEFAULT_GRACE,
+                 service_timeout: float = 30.0):
+        if not cmd:
+            raise ConfigError("cmd must name the worker command. Received: cmd=[]")
+        self.cmd = list(cmd)
+        self._events: queue.Queue = queue.Queue()
+        self.services = LocalServices(workers, servers, local_size, host, port, env,
+                                      output, grace, on_exit=self._events.put)
+        self.workers: list[Child] = []
+        self._output, self.grace, self.service_timeout = output, grace, service_timeout
+
+    def run(self) -> int:
+        """Runs the job to completion; see :func:`launch_local` for the exit code."""
+        try:
+            self.services.start()
+            for i in range(self.services.workers):
+                self.workers.append(Child(f"worker {i}", self.cmd, self.services.worker_env(i),
+                                          self._events.put, self._output))
+        except OSError as exc:
+            log(f"could not start {exc.filename or self.cmd[0]!s}: {exc.strerror}. "
+                f"Received: cmd={self.cmd}")
+            stop_children([*self.workers, *self.services.children], self.grace)
+            return 127
+        except BaseException:
+            stop_children([*self.workers, *self.services.children], self.grace)
+            raise
+        try:
+            return supervise(self.workers, self.services.children, self._events,
+                             self.grace, self.service_timeout)
+        finally:
+            self.services.stop()
+
+
+def launch_local(cmd: Sequence[str], workers: int, servers: int = 1,
+                 local_size: int | None = None, env: Mapping[str, str] | None = None,
+                 **kwargs) -> int:
+    """Runs scheduler, ``servers`` servers and ``workers`` copies of ``cmd`` on this host.
+
+    Output lines are prefixed ``[scheduler]``, ``[server k]``, ``[worker i]``. When a
+    process fails, all others (and their process groups) are stopped.
+
+    Args:
+        cmd: Worker command line.
+        workers: Number of worker processes.
+        servers: Number of servers.
+        local_size: Workers per emulated host; must divide ``workers``.
+        env: Extra environment for every process.
+        **kwargs: ``host``, ``port``, ``output``, ``grace``, ``service_timeout``.
+
+    Returns:
+        0 when every process exited 0; else the first failing process's exit
+        status (128+N for signal N); 130/143 when the launcher was interrupted;
+        127 when ``cmd`` could not be started.
+    """
+    return LocalJob(cmd, workers, servers, local_size, env=env, **kwargs).run()

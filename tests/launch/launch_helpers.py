@@ -1,0 +1,43 @@
+"""Shared helpers for the launcher tests (paths, fake roles, leftover-process checks)."""
+
+import os
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+FAKE_ROLE = [sys.executable, str(HERE / "fake_role.py")]
+FAKE_WORKER = [sys.executable, str(HERE / "fake_worker.py")]
+LAUNCH_WITH_FAKE_ROLES = [sys.executable, str(HERE / "launch_fake_roles.py")]
+
+
+def subprocess_env(**extra: str) -> dict:
+    """os.environ with the repo importable and ``extra`` on top."""
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else "")}
+    for key in ("DMLC_ROLE", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def pids_in(text: str) -> list:
+    """Every ``pid=N`` / ``grandchild=N`` the fake processes printed."""
+    return [int(p) for p in re.findall(r"(?:pid|grandchild)=(\d+)", text)]
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` runs (a zombie awaiting a non-reaping init counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def assert_all_gone(pids: list) -> None:
+    """Fails naming every process from ``pids`` that is still running."""
+    assert pids, "the fake processes printed no pids; the test is not checking anything"
+    left = [p for p in pids if alive(p)]
+    assert not left, f"processes left running: {left}"

@@ -1,0 +1,93 @@
+"""The launcher with the real scheduler/server roles and the C++ engine."""
+
+import io
+import subprocess
+import sys
+import time
+
+import pytest
+from launch_helpers import HERE, REPO, alive, subprocess_env
+
+from bpstrain.launch import LocalJob, free_port
+
+pytest.importorskip("bpstrain._core", reason="bpstrain's C++ extension is not built")
+
+WORKER = [sys.executable, str(HERE / "e2e_worker.py")]
+LAUNCH = [sys.executable, "-m", "bpstrain.launch"]
+
+
+@pytest.mark.timeout(120)
+def test_two_workers_one_server_sum_through_the_launcher():
+    proc = subprocess.run([*LAUNCH, "--workers", "2", "--servers", "1", "--", *WORKER],
+                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=100)
+    assert proc.returncode == 0, proc
+    lines = proc.stdout.splitlines()
+    assert "[worker 0] rank 0 of 2: sum 3 expected 3" in lines, proc
+    assert "[worker 1] rank 1 of 2: sum 3 expected 3" in lines, proc
+
+
+@pytest.mark.timeout(120)
+def test_real_job_with_a_failing_worker_is_torn_down():
+    out = io.StringIO()
+    job = LocalJob(WORKER, workers=2, servers=1, env=subprocess_env(E2E_FAIL_RANK="1"),
+                   output=out, grace=3.0)
+    assert job.run() == 9, out.getvalue()
+    assert "[worker 1] failing on purpose" in out.getvalue()
+    pids = [c.pid for c in (*job.workers, *job.services.children)]
+    assert not [p for p in pids if alive(p)]
+
+
+@pytest.mark.timeout(120)
+def test_hand_started_byteps_style_job():
+    """Scheduler, server and workers each started with DMLC_* variables, as with BytePS."""
+    common = dict(DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="127.0.0.1",
+                  DMLC_PS_ROOT_PORT=str(free_port()), BYTEPS_LOCAL_SIZE="1")
+    procs = []
+    try:
+        for role in ("scheduler", "server"):
+            env = subprocess_env(DMLC_ROLE=role, **common)
+            procs.append(subprocess.Popen(LAUNCH, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        for worker_id in ("0", "1"):
+            env = subprocess_env(DMLC_ROLE="worker", DMLC_WORKER_ID=worker_id, **common)
+            procs.append(subprocess.Popen([*LAUNCH, *WORKER], cwd=REPO, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        outputs = [p.communicate(timeout=90)[0] for p in reversed(procs)][::-1]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], outputs
+    assert "rank 0 of 2: sum 3 expected 3" in outputs[2]
+    assert "rank 1 of 2: sum 3 expected 3" in outputs[3]
+
+
+PARENT = """
+import os, signal, socket, time
+from bpstrain.launch import LocalServices
+services = LocalServices(workers=1, servers=1).start()
+print(*[c.pid for c in services.children], flush=True)
+while True:  # The scheduler listens only after it armed PR_SET_PDEATHSIG.
+    try:
+        socket.create_connection(("127.0.0.1", services.port)).close()
+        break
+    except OSError:
+        time.sleep(0.02)
+os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no cleanup: only PR_SET_PDEATHSIG is left
+"""
+
+
+@pytest.mark.timeout(60)
+def test_services_die_with_a_killed_parent():
+    proc = subprocess.run([sys.executable, "-c", PARENT], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode == -9, proc
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2, proc
+    deadline = time.monotonic() + 20
+    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.05)  # They die asynchronously after the parent; nothing to wait on.
+    assert not [p for p in pids if alive(p)]

@@ -1,0 +1,156 @@
+"""LocalJob / LocalServices process management, with fake scheduler/server roles."""
+
+import io
+import re
+import threading
+import time
+
+import pytest
+from launch_helpers import FAKE_ROLE, FAKE_WORKER, assert_all_gone, pids_in, subprocess_env
+
+from bpstrain.errors import ConfigError, PeerError
+from bpstrain.launch import LocalJob, LocalServices, launch_local
+from bpstrain.launch._procs import Child, stop_children
+
+
+@pytest.fixture(autouse=True)
+def fake_roles(monkeypatch):
+    monkeypatch.setattr(LocalServices, "role_cmd", FAKE_ROLE)
+
+
+def run_job(workers=2, servers=1, local_size=None, **env):
+    out = io.StringIO()
+    code = launch_local(FAKE_WORKER, workers, servers, local_size, env=subprocess_env(**env),
+                        output=out, grace=2.0, service_timeout=10.0)
+    return code, out.getvalue()
+
+
+@pytest.mark.timeout(60)
+def test_success_prefixes_every_line_and_services_exit_on_their_own():
+    code, out = run_job(workers=2, servers=2)
+    assert code == 0, out
+    lines = out.splitlines()
+    assert all(re.match(r"\[(scheduler|server [01]|worker [01])\] ", ln) for ln in lines), out
+    for rank in (0, 1):
+        assert f"[worker {rank}] rank={rank} " in out
+        assert f"[worker {rank}] second line" in lines
+        # A last line without "\n" still comes out whole, on its own line.
+        assert f"[worker {rank}] no newline at the end" in lines
+    assert "[scheduler] scheduler done" in lines
+    assert "[server 0] server done" in lines and "[server 1] server done" in lines
+    assert_all_gone(pids_in(out))
+
+
+@pytest.mark.timeout(60)
+def test_local_size_maps_ranks_to_worker_id_and_local_rank():
+    code, out = run_job(workers=4, local_size=2)
+    assert code == 0, out
+    for rank in range(4):
+        expected = (f"[worker {rank}] rank={rank} worker_id={rank // 2} local_rank={rank % 2} "
+                    "local_size=2 num_worker=4 num_server=1 ")
+        assert expected in out
+
+
+@pytest.mark.timeout(60)
+def test_failing_worker_stops_everyone_including_grandchildren():
+    start = time.monotonic()
+    code, out = run_job(workers=3, FAKE_FAIL_RANK="1", FAKE_FAIL_CODE="7", FAKE_BLOCK="1",
+                        FAKE_GRANDCHILD="1")
+    assert code == 7, out
+    assert "[worker 1] failing on purpose" in out
+    pids = pids_in(out)
+    assert len(pids) >= 2 + 2  # scheduler + server, and at least one worker ...
+    assert_all_gone(pids)
+    assert time.monotonic() - start < 15  # SIGTERM worked; no waiting on timeouts.
+
+
+@pytest.mark.timeout(60)
+def test_dead_service_fails_the_job():
+    code, out = run_job(workers=2, FAKE_ROLE_FAIL="server", FAKE_BLOCK="1")
+    assert code == 3, out
+    assert "[server 0] server failing on purpose" in out
+    assert_all_gone(pids_in(out))
+
+
+class _Watch(io.StringIO):
+    """Output stream that sets ``seen`` once ``text`` has been written."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.text, self.seen = text, threading.Event()
+
+    def write(self, s):
+        n = super().write(s)
+        if self.text in s:
+            self.seen.set()
+        return n
+
+
+@pytest.mark.timeout(60)
+def test_child_ignoring_sigterm_is_killed_after_grace():
+    out = _Watch("blocking")
+    env = subprocess_env(DMLC_WORKER_ID="0", BYTEPS_LOCAL_RANK="0", BYTEPS_LOCAL_SIZE="1",
+                         DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1", FAKE_BLOCK="1",
+                         FAKE_IGNORE_TERM="1", FAKE_GRANDCHILD="1")
+    child = Child("worker 0", FAKE_WORKER, env, output=out)
+    assert out.seen.wait(30), out.getvalue()
+    start = time.monotonic()
+    stop_children([child], grace=0.5)
+    assert 0.5 <= time.monotonic() - start < 10
+    assert child.returncode == -9  # SIGKILL
+    assert_all_gone(pids_in(out.getvalue()))
+
+
+@pytest.mark.timeout(60)
+def test_services_still_running_after_workers_are_stopped_without_failing():
+    out = io.StringIO()
+    job = LocalJob(FAKE_WORKER, workers=1, env=subprocess_env(FAKE_ROLE_STUCK="1"),
+                   output=out, grace=2.0, service_timeout=0.2)
+    assert job.run() == 0
+    assert all(c.returncode is not None for c in job.services.children)
+    assert_all_gone(pids_in(out.getvalue()))
+
+
+@pytest.mark.timeout(60)
+def test_missing_worker_command_gives_127_and_stops_services():
+    job = LocalJob(["/nonexistent/train"], workers=1, env=subprocess_env(), output=io.StringIO())
+    assert job.run() == 127
+    assert all(c.returncode is not None for c in job.services.children)
+
+
+@pytest.mark.timeout(60)
+def test_local_services_env_check_and_stop():
+    out = io.StringIO()
+    # BYTEPS_LOCAL_RANK from an enclosing job must not leak into the new one.
+    base = subprocess_env(FAKE_ROLE_STUCK="1", BYTEPS_LOCAL_RANK="5")
+    with LocalServices(workers=4, servers=2, local_size=2, env=base, output=out,
+                       grace=2.0) as services:
+        env = services.worker_env(3)
+        assert {k: env[k] for k in ("DMLC_ROLE", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER",
+                                    "DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE")} \
+            == {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "4", "DMLC_NUM_SERVER": "2",
+                "DMLC_WORKER_ID": "1", "BYTEPS_LOCAL_RANK": "1", "BYTEPS_LOCAL_SIZE": "2"}
+        assert env["DMLC_PS_ROOT_URI"] == "127.0.0.1"
+        assert env["DMLC_PS_ROOT_PORT"] == str(services.port)
+        assert env["PYTHONUNBUFFERED"] == "1"
+        services.check()  # all alive
+        assert [c.label for c in services.children] == ["scheduler", "server 0", "server 1"]
+        services.children[1].signal_group(9)
+        services.children[1].exited.wait(10)
+        with pytest.raises(PeerError, match=r"server 0 of the local cluster exited with code 137"):
+            services.check()
+    assert services.wait(0)
+    services.stop()  # idempotent
+    assert_all_gone([c.pid for c in services.children])
+
+
+def test_bad_layout_and_index_are_config_errors():  # ConfigError is a ValueError
+    with pytest.raises(ValueError, match=r"Received: workers=3, local_size=2"):
+        LocalServices(workers=3, local_size=2)
+    with pytest.raises(ConfigError, match=r"servers must be a positive integer\. "
+                       r"Received: servers=0"):
+        LocalServices(workers=1, servers=0)
+    with pytest.raises(ValueError, match=r"Received: i=2"):
+        LocalServices(workers=2, port=1234).worker_env(2)
+    with pytest.raises(RuntimeError, match="not started"):
+        LocalServices(workers=2).worker_env(0)
