@@ -145,6 +145,7 @@ def _connect(state: _State) -> None:
         numa=str(o["numa"]),
         rendezvous_timeout=float(o["rendezvous_timeout"]),
         secret=str(o["secret"] or ""),
+        hierarchical=bool(o["hierarchical"]),
     )
     worker.start()
     try:

@@ -174,6 +174,7 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
         "op_timeout": _float(env, "BPSTRAIN_OP_TIMEOUT"),
         "rendezvous_timeout": _float(env, "BPSTRAIN_RENDEZVOUS_TIMEOUT"),
         "priority": _bool(env, "BPSTRAIN_PRIORITY"),
+        "hierarchical": _bool(env, "BPSTRAIN_HIERARCHICAL"),
         "credit_bytes": _int(env, "BPSTRAIN_CREDIT_BYTES", None, minimum=0),
         "connections_per_server": _int(env, "BPSTRAIN_CONNECTIONS_PER_SERVER", None, 1, 64),
         "engine_threads": _int(env, "BPSTRAIN_ENGINE_THREADS", None, 1, 256)

@@ -78,6 +78,7 @@ Welcome ControlClient::Connect(const std::string& host, int port, const NodeInfo
       int sp = static_cast<int>(rd.U32());
       wel.servers.emplace_back(sh, sp);
     }
+    wel.job_id = static_cast<uint64_t>(rd.I64());
   } catch (const FrameError& e) {
     throw Error(Error::kPeer, std::string("malformed welcome from the scheduler: ") + e.what());
   }

@@ -35,6 +35,7 @@ struct Welcome {
   int num_workers = 0;
   int num_servers = 0;
   std::vector<std::pair<std::string, int>> servers;  // index = server id
+  uint64_t job_id = 0;  // random per job: names host-local shared memory
 };
 
 // Token a node presents for cluster.secret. A keyed FNV-1a hash: it keeps stray jobs

@@ -1,6 +1,7 @@
 #include "scheduler.h"
 
 #include <algorithm>
+#include <random>
 
 namespace bps {
 
@@ -26,6 +27,8 @@ struct Scheduler::Node {
 
 Scheduler::Scheduler(const SchedulerOptions& opts)
     : opts_(opts), listener_(opts.host, opts.port) {
+  std::random_device rd;
+  job_id_ = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(Clock::now().time_since_epoch().count());
   if (opts.num_workers < 1 || opts.num_servers < 1)
     throw Error(Error::kConfig, "a job needs at least one worker and one server. Received: workers=" +
                                     std::to_string(opts.num_workers) +
@@ -164,6 +167,7 @@ void Scheduler::CompleteRendezvousLocked() {
     MetaWriter w;
     w.I64(n->rank).U32(opts_.num_workers).U32(opts_.num_servers);
     for (auto& s : servers) w.Str(s->host).U32(static_cast<uint32_t>(s->listen_port));
+    w.I64(static_cast<int64_t>(job_id_));
     FrameHeader h;
     h.type = static_cast<uint16_t>(MsgType::kWelcome);
     try {
@@ -239,12 +243,14 @@ void Scheduler::HandleDeclare(const std::shared_ptr<Node>& node, const std::stri
   d.dtype = static_cast<int>(r.U32());
   d.shape = r.I64Vec();
   d.partition_bytes = r.I64();
-  if (!ValidDType(d.dtype) || d.partition_bytes <= 0) throw FrameError("declare with bad dtype/partition");
+  d.participants = static_cast<int>(r.U32());
+  if (!ValidDType(d.dtype) || d.partition_bytes <= 0 || d.participants < 1 || d.participants > opts_.num_workers)
+    throw FrameError("declare with bad dtype/partition/participants");
   std::lock_guard<std::mutex> lk(mu_);
   if (node->role != Role::kWorker) throw FrameError("declare from a non-worker");
   auto& pend = pending_decls_[name];
   pend[node->rank] = d;
-  if (static_cast<int>(pend.size()) < opts_.num_workers) return;
+  if (static_cast<int>(pend.size()) < d.participants) return;
 
   // Every rank has declared `name`: compare them all against rank 0 (or the registry).
   auto describe = [](const Declaration& x) {

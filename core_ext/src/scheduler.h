@@ -50,8 +50,10 @@ class Scheduler {
     int dtype;
     std::vector<int64_t> shape;
     int64_t partition_bytes;
+    int participants;  // ranks that declare it: all, or one per host for hierarchical slices
     bool operator==(const Declaration& o) const {
-      return dtype == o.dtype && shape == o.shape && partition_bytes == o.partition_bytes;
+      return dtype == o.dtype && shape == o.shape && partition_bytes == o.partition_bytes &&
+             participants == o.participants;
     }
   };
   struct Tensor {
@@ -91,6 +93,7 @@ class Scheduler {
   int64_t next_tensor_id_ = 0;
   int barrier_count_ = 0;
   int goodbyes_ = 0;
+  uint64_t job_id_ = 0;
 };
 
 }  // namespace bps

@@ -194,7 +194,12 @@ void Server::ServeConnection(std::shared_ptr<Conn> conn) {
           (empty ? h.body_len != 0 : h.body_len != len))
         throw FrameError("push of key " + std::to_string(h.key) + " has inconsistent lengths (arg=" +
                          std::to_string(h.arg) + ", body=" + std::to_string(h.body_len) + ")");
-      Task t{conn, h, nullptr};
+      int expected = num_workers_;
+      if (h.meta_len == 4) expected = static_cast<int>(MetaReader(meta).U32());
+      if (expected < 1 || expected > num_workers_)
+        throw FrameError("push expects " + std::to_string(expected) + " contributions; the job has " +
+                         std::to_string(num_workers_) + " workers");
+      Task t{conn, h, nullptr, expected};
       if (!empty) {
         t.body = pool_->Acquire(len);
         link.RecvBody(t.body->data(), len);
@@ -244,7 +249,8 @@ void Server::Process(EngineThread* et, Task& t) {
   if (r.pushes == 0) {
     r.dtype = dtype;
     r.len = len;
-  } else if (r.dtype != dtype || r.len != len) {
+    r.expected = t.expected;
+  } else if (r.dtype != dtype || r.len != len || r.expected != t.expected) {
     return reject("partition " + std::to_string(h.key) + " round " + std::to_string(h.version) +
                   ": this push has dtype " + DTypeName(dtype) + " and " + std::to_string(len) +
                   " bytes, other workers pushed " + DTypeName(r.dtype) + " and " + std::to_string(r.len));
@@ -270,7 +276,7 @@ void Server::Process(EngineThread* et, Task& t) {
       SumInto(dtype, r.acc->data(), t.body->data(), n);
     }
   }
-  if (r.pushes < num_workers_) return;
+  if (r.pushes < r.expected) return;
 
   std::shared_ptr<Buffer> result;
   std::string error;

@@ -54,11 +54,13 @@ class Server {
     std::shared_ptr<Conn> from;
     FrameHeader h;
     std::shared_ptr<Buffer> body;  // null for an empty (broadcast non-root) push
+    int expected = 0;              // contributions that complete this round
   };
   struct Round {
     DType dtype;
     uint64_t len = 0;
     int pushes = 0;
+    int expected = 0;  // pushes that complete the round
     std::shared_ptr<Buffer> acc;  // native dtypes: the sum itself; fp16/bf16: fp32 sums
     std::shared_ptr<Buffer> root_data;  // broadcast: the root's payload
     std::vector<std::shared_ptr<Conn>> waiters;

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "affinity.h"
+#include "local_group.h"
 #include "reduce.h"
 
 namespace bps {
@@ -27,6 +28,7 @@ struct Worker::Tensor {
   bool declared = false;
   std::vector<Part> parts;
   uint64_t next_version = 0;
+  int participants = 0;
   std::vector<std::shared_ptr<Handle>> waiting;  // ops queued before the declare reply
 };
 
@@ -102,6 +104,7 @@ void Worker::Rendezvous() {
       p->sender = std::thread([this, p] { SenderLoop(p); });
       p->receiver = std::thread([this, p] { ReceiverLoop(p); });
     }
+    if (opts_.hierarchical && opts_.local_size > 1) StartLocalGroup(w.job_id);
     ready_ = true;
     cv_.notify_all();
   } catch (const Error& e) {
@@ -121,11 +124,17 @@ bool Worker::WaitReady(double seconds) {
 void Worker::SendDeclareLocked(Tensor& t) {
   MetaWriter w;
   w.Str(t.name).U32(static_cast<uint32_t>(t.dtype)).I64Vec(t.shape).I64(opts_.partition_bytes);
+  w.U32(static_cast<uint32_t>(t.participants));
   control_.Send(MsgType::kDeclare, w.bytes());
 }
 
 void Worker::Declare(const std::string& name, DType dtype, const std::vector<int64_t>& shape) {
   std::lock_guard<std::mutex> lk(mu_);
+  DeclareLocked(name, dtype, shape);
+}
+
+Worker::Tensor& Worker::DeclareLocked(const std::string& name, DType dtype,
+                                      const std::vector<int64_t>& shape, int participants) {
   if (failed_) throw Error(fail_kind_, "the engine failed earlier: " + fail_msg_);
   if (!ready_) throw Error(Error::kGeneric, "the worker is not initialized; call init() first");
   auto it = tensors_.find(name);
@@ -134,14 +143,15 @@ void Worker::Declare(const std::string& name, DType dtype, const std::vector<int
       throw Error(Error::kMismatch, "tensor '" + name + "' was declared on this rank with " +
                                         bps::Describe(it->second->dtype, it->second->shape) +
                                         "; it cannot change. Received: " + bps::Describe(dtype, shape));
-    return;
+    return *it->second;
   }
   auto t = std::make_unique<Tensor>();
   t->name = name;
   t->dtype = dtype;
   t->shape = shape;
+  t->participants = participants ? participants : size_;
   SendDeclareLocked(*t);
-  tensors_[name] = std::move(t);
+  return *(tensors_[name] = std::move(t));
 }
 
 int64_t Worker::Enqueue(const OpRequest& req) {
@@ -150,10 +160,23 @@ int64_t Worker::Enqueue(const OpRequest& req) {
                                     "). Received: root_rank=" + std::to_string(req.root));
   for (int64_t d : req.shape)
     if (d < 0) throw Error(Error::kConfig, "negative dimension in shape " + ShapeString(req.shape));
-  Declare(req.name, req.dtype, req.shape);
+  if (group_ && req.op != Op::kBroadcast && req.participants == 0) {
+    // Hierarchical: the local group reduces on this host and pushes one slice per rank.
+    std::shared_ptr<Handle> h;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (failed_) throw Error(fail_kind_, "the engine failed earlier: " + fail_msg_);
+      h = std::make_shared<Handle>();
+      h->id = next_handle_++;
+      h->req = req;
+      h->total_parts = h->remaining = 1;
+      handles_[h->id] = h;
+    }
+    group_->Submit(h->id, req);
+    return h->id;
+  }
   std::lock_guard<std::mutex> lk(mu_);
-  if (failed_) throw Error(fail_kind_, "the engine failed earlier: " + fail_msg_);
-  Tensor& t = *tensors_.at(req.name);
+  Tensor& t = DeclareLocked(req.name, req.dtype, req.shape, req.participants);
   auto h = std::make_shared<Handle>();
   h->id = next_handle_++;
   h->req = req;
@@ -241,6 +264,39 @@ void Worker::OnDeclareReply(const std::string& meta) {
   t.waiting.clear();
 }
 
+void Worker::StartLocalGroup(uint64_t job_id) {
+  // Called with mu_ held, before ready_: the layout must be uniform across hosts.
+  const int L = opts_.local_size;
+  if (size_ % L != 0 || opts_.rank_hint != rank_)
+    throw Error(Error::kConfig,
+                "hierarchical mode needs DMLC_WORKER_ID on every worker and DMLC_NUM_WORKER divisible by "
+                "BYTEPS_LOCAL_SIZE. Received: size=" + std::to_string(size_) + ", local_size=" +
+                    std::to_string(L) + ", rank hint=" + std::to_string(opts_.rank_hint));
+  LocalGroup::Hooks hooks;
+  hooks.enqueue = [this](const OpRequest& r) { return Enqueue(r); };
+  hooks.poll = [this](int64_t id, Error::Kind* kind, std::string* err) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = handles_.find(id);
+    if (it == handles_.end()) return -1;
+    auto h = it->second;
+    if (!h->done) return 0;
+    handles_.erase(it);
+    if (h->error.empty()) return 1;
+    *kind = h->kind;
+    *err = h->error;
+    return -1;
+  };
+  hooks.complete = [this](int64_t id, Error::Kind kind, const std::string& err) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = handles_.find(id);
+    if (it == handles_.end()) return;
+    if (err.empty()) CompletePartLocked(it->second, 0);
+    else FailHandleLocked(it->second, kind, err);
+  };
+  LocalGroup::Layout layout{job_id, rank_ / L, size_ / L, opts_.local_rank, L, size_};
+  group_ = std::make_unique<LocalGroup>(layout, std::move(hooks), cpus_);
+}
+
 void Worker::SenderLoop(DataConn* c) {
   SetupEngineThread("bps-send" + std::to_string(c->server), cpus_);
   auto& q = queues_[c->server];
@@ -271,7 +327,7 @@ void Worker::SenderLoop(DataConn* c) {
     h.flags = static_cast<uint16_t>((static_cast<int>(req.dtype) << 8) | (bcast ? kFlagBroadcast : 0) |
                                     (send_body ? 0 : kFlagEmpty));
     try {
-      c->link->Send(h, "", send_body ? static_cast<const char*>(req.input) + t.offset : nullptr,
+      c->link->Send(h, MetaWriter().U32(static_cast<uint32_t>(req.participants ? req.participants : size_)).bytes(), send_body ? static_cast<const char*>(req.input) + t.offset : nullptr,
                     send_body ? t.len : 0);
     } catch (const Error& e) {
       if (!stopping_) Fail(Error::kPeer, e.what());
@@ -412,6 +468,7 @@ WorkerStats Worker::stats() {
 
 void Worker::Shutdown() {
   if (stopping_.exchange(true)) return;
+  if (group_) group_->Stop();
   bool said_goodbye = false;
   {
     std::lock_guard<std::mutex> lk(mu_);

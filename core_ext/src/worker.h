@@ -35,6 +35,8 @@
 
 namespace bps {
 
+class LocalGroup;
+
 struct WorkerOptions {
   std::string scheduler_host = "127.0.0.1";
   int scheduler_port = 0;
@@ -48,6 +50,7 @@ struct WorkerOptions {
   std::string numa = "auto";
   double rendezvous_timeout = 120.0;
   std::string secret;
+  bool hierarchical = false;  // reduce inside the host through shared memory first
 };
 
 enum class Op : int { kSum = 0, kAverage = 1, kBroadcast = 2 };
@@ -61,6 +64,7 @@ struct OpRequest {
   Op op = Op::kSum;
   int root = 0;                 // broadcast only
   int priority = 0;             // larger = sooner; adapters pass -parameter_index
+  int participants = 0;         // ranks taking part; 0 = all (hierarchical slices: hosts)
 };
 
 struct WorkerStats {
@@ -133,6 +137,9 @@ class Worker {
   void Fail(Error::Kind kind, const std::string& msg);
   std::shared_ptr<Handle> TakeHandle(int64_t id, bool* done);
   void SendDeclareLocked(Tensor& t);
+  void StartLocalGroup(uint64_t job_id);
+  Tensor& DeclareLocked(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
+                        int participants = 0);
 
   WorkerOptions opts_;
   std::vector<int> cpus_;
@@ -160,6 +167,7 @@ class Worker {
   int64_t next_handle_ = 1;
   uint64_t next_seq_ = 0;
   WorkerStats stats_;
+  std::unique_ptr<LocalGroup> group_;  // hierarchical mode only
 };
 
 }  // namespace bps

@@ -19,7 +19,7 @@ from bpstrain import _core
 class InProcessCluster:
     """Scheduler + servers + workers in this process; torn down on exit."""
 
-    def __init__(self, workers=2, servers=1, secret="", **worker_kwargs):
+    def __init__(self, workers=2, servers=1, secret="", local_size=1, **worker_kwargs):
         self.scheduler = _core.Scheduler(workers, servers, host="127.0.0.1", port=0,
                                          rendezvous_timeout=20, peer_timeout=10, secret=secret)
         self.scheduler.start()
@@ -34,7 +34,7 @@ class InProcessCluster:
         worker_kwargs.setdefault("numa", "off")
         self.workers = [
             _core.Worker("127.0.0.1", port, rank_hint=i, rendezvous_timeout=20, secret=secret,
-                         **worker_kwargs)
+                         local_rank=i % local_size, local_size=local_size, **worker_kwargs)
             for i in range(workers)
         ]
         for w in self.workers:
