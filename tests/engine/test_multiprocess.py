@@ -32,19 +32,11 @@ def test_every_dtype_on_a_real_job(workers, servers):
 
 
 @pytest.mark.timeout(120)
-def test_killed_worker_turns_into_errors_and_nonzero_exit():
+def test_killed_worker_makes_the_launcher_exit_nonzero():
     start = time.time()
-    r = launch(3, 1, "die_midjob.py", env={"DIE_RANK": "1", "BPSTRAIN_TIMEOUT": "20"})
-    out = r.stdout + r.stderr
-    assert r.returncode != 0, out
-    errors = [line for line in r.stdout.splitlines() if "PEER_ERROR" in line]
-    assert errors, out
-    for line in errors:
-        assert float(line.split("PEER_ERROR ")[1].split()[0]) < 30, line
-        assert "PeerError" in line, line
-    # The scheduler names the dead worker; a survivor may instead see the launcher's
-    # teardown of the servers first, which is an equally clear PeerError.
-    assert any("worker 1" in line for line in errors) or all("closed" in l for l in errors), errors
+    r = launch(3, 1, "die_midjob.py", env={"DIE_RANK": "1"})
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "worker 1" in r.stdout + r.stderr
     assert time.time() - start < 60
 
 
@@ -92,6 +84,17 @@ def test_hand_started_roles_form_one_job_and_exit_by_themselves():
     for name, (code, out) in outs.items():
         assert code == 0, f"{name}: {out}"
     assert sum(out.count("DTYPES_OK") for _, out in outs.values()) == 2
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_turns_into_errors_on_every_survivor():
+    outs = finish(start_by_hand(3, 1, "die_midjob.py", DIE_RANK=1, BPSTRAIN_TIMEOUT=20), timeout=45)
+    for name in ("worker0", "worker2"):
+        code, out = outs[name]
+        assert code == 17 and "PEER_ERROR" in out and "worker 1" in out, f"{name}: {out}"
+        seconds = float(out.split("PEER_ERROR ")[1].split()[0])
+        assert seconds < 30, out
+    assert outs["scheduler"][0] != 0 and outs["server0"][0] != 0
 
 
 @pytest.mark.timeout(120)
