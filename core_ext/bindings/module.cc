@@ -95,6 +95,20 @@ PYBIND11_MODULE(_core, m) {
       py::arg("dst"), py::arg("src"), py::arg("dtype"),
       "dst += src with the servers' kernels (fp16/bf16 through fp32).");
 
+  m.def(
+      "accumulate",
+      [](py::buffer acc, py::buffer src, const std::string& dtype) {
+        DType t = ParseDType(dtype);
+        if (!AccumulatesInFloat(t)) throw Error(Error::kConfig, "accumulate is for float16/bfloat16");
+        BufferView a = View(acc, true, "acc"), s = View(src, false, "src");
+        size_t n = s.nbytes / DTypeSize(t);
+        if (a.nbytes != n * sizeof(float)) throw Error(Error::kConfig, "acc must be float32 of src's length");
+        py::gil_scoped_release nogil;
+        Accumulate(t, static_cast<float*>(a.ptr), s.ptr, n);
+      },
+      py::arg("acc"), py::arg("src"), py::arg("dtype"),
+      "acc (float32) += src (float16/bfloat16): what a server does per push of a half tensor.");
+
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init([](int workers, int servers, const std::string& host, int port,
                        double rendezvous_timeout, double peer_timeout, const std::string& secret) {

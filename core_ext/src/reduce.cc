@@ -3,10 +3,15 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 namespace bps {
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define BPS_MULTIVERSION __attribute__((target_clones("arch=haswell", "default")))
+#define BPS_MULTIVERSION __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+#define BPS_HAVE_X86_DISPATCH 1
 #else
 #define BPS_MULTIVERSION
 #endif
@@ -42,16 +47,11 @@ inline float Bf16Bits(uint16_t b) {
 inline uint16_t Bf16Round(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+  return static_cast<uint16_t>(nan ? ((u >> 16) | 0x40u) : rounded);
 }
 
-#if defined(__FLT16_MAX__)
-// The compiler's _Float16 uses F16C instructions in the haswell clone.
-inline float H2F(uint16_t h) { _Float16 x; std::memcpy(&x, &h, 2); return static_cast<float>(x); }
-inline uint16_t F2H(float f) { _Float16 x = static_cast<_Float16>(f); uint16_t h; std::memcpy(&h, &x, 2); return h; }
-#else
 inline float H2F(uint16_t h) {
   uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, u;
   if (exp == 0) {
@@ -78,11 +78,50 @@ inline uint16_t F2H(float f) {
   uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u;
   return static_cast<uint16_t>(sign | (r >> 13));
 }
+
+#ifdef BPS_HAVE_X86_DISPATCH
+// F16C converts 8 halves per instruction; picked at run time (no -march=native).
+__attribute__((target("avx2,f16c"))) void WidenHF16C(float* a, const uint16_t* s, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(a + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+  for (; i < n; ++i) a[i] = H2F(s[i]);
+}
+__attribute__((target("avx2,f16c"))) void AccHF16C(float* a, const uint16_t* s, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    _mm256_storeu_ps(a + i, _mm256_add_ps(_mm256_loadu_ps(a + i), x));
+  }
+  for (; i < n; ++i) a[i] += H2F(s[i]);
+}
+__attribute__((target("avx2,f16c"))) void NarrowHF16C(uint16_t* d, const float* a, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(a + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) d[i] = F2H(a[i]);
+}
+const bool kHasF16C = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
+#else
+constexpr bool kHasF16C = false;
+void WidenHF16C(float*, const uint16_t*, size_t) {}
+void AccHF16C(float*, const uint16_t*, size_t) {}
+void NarrowHF16C(uint16_t*, const float*, size_t) {}
 #endif
 
-BPS_MULTIVERSION void WidenH(float* a, const uint16_t* s, size_t n) { for (size_t i = 0; i < n; ++i) a[i] = H2F(s[i]); }
-BPS_MULTIVERSION void AccH(float* a, const uint16_t* s, size_t n) { for (size_t i = 0; i < n; ++i) a[i] += H2F(s[i]); }
-BPS_MULTIVERSION void NarrowH(uint16_t* d, const float* a, size_t n) { for (size_t i = 0; i < n; ++i) d[i] = F2H(a[i]); }
+void WidenH(float* a, const uint16_t* s, size_t n) {
+  if (kHasF16C) return WidenHF16C(a, s, n);
+  for (size_t i = 0; i < n; ++i) a[i] = H2F(s[i]);
+}
+void AccH(float* a, const uint16_t* s, size_t n) {
+  if (kHasF16C) return AccHF16C(a, s, n);
+  for (size_t i = 0; i < n; ++i) a[i] += H2F(s[i]);
+}
+void NarrowH(uint16_t* d, const float* a, size_t n) {
+  if (kHasF16C) return NarrowHF16C(d, a, n);
+  for (size_t i = 0; i < n; ++i) d[i] = F2H(a[i]);
+}
 BPS_MULTIVERSION void WidenB(float* a, const uint16_t* s, size_t n) { for (size_t i = 0; i < n; ++i) a[i] = Bf16Bits(s[i]); }
 BPS_MULTIVERSION void AccB(float* a, const uint16_t* s, size_t n) { for (size_t i = 0; i < n; ++i) a[i] += Bf16Bits(s[i]); }
 BPS_MULTIVERSION void NarrowB(uint16_t* d, const float* a, size_t n) { for (size_t i = 0; i < n; ++i) d[i] = Bf16Round(a[i]); }
