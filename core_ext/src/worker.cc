@@ -97,7 +97,7 @@ void Worker::Rendezvous() {
                                         TaskOrder{opts_.priority}));
     credit_ = opts_.credit_bytes > 0
                   ? opts_.credit_bytes
-                  : std::max<int64_t>(2 * opts_.partition_bytes * static_cast<int64_t>(conns.size()), 1 << 20);
+                  : std::max<int64_t>(opts_.partition_bytes * static_cast<int64_t>(conns.size()), 1 << 20);
     conns_ = std::move(conns);
     for (auto& dc : conns_) {
       DataConn* p = dc.get();
@@ -333,8 +333,14 @@ void Worker::SenderLoop(DataConn* c) {
       if (!stopping_) Fail(Error::kPeer, e.what());
       return;
     }
+    // Credit returns once the push has left this process, not when the sum comes back:
+    // waiting for the round to complete would tie one worker's credit to other workers'
+    // progress, and two workers whose credit is full of different partitions would wait
+    // for each other forever.
     std::lock_guard<std::mutex> lk(mu_);
     stats_.bytes_pushed += send_body ? t.len : 0;
+    bytes_in_flight_ -= t.len;
+    send_cv_.notify_all();
   }
 }
 
@@ -371,7 +377,6 @@ void Worker::ReceiverLoop(DataConn* c) {
           DivideInPlace(req.dtype, dst, static_cast<size_t>(t.len) / DTypeSize(req.dtype), size_);
       }
       std::lock_guard<std::mutex> lk(mu_);
-      bytes_in_flight_ -= t.len;
       stats_.bytes_pulled += ok ? t.len : 0;
       ++stats_.partitions;
       if (!ok) FailHandleLocked(t.handle, Error::kGeneric, "server: " + MetaReader(meta).Str());

@@ -44,7 +44,7 @@ struct WorkerOptions {
   int local_rank = 0;
   int local_size = 1;
   int64_t partition_bytes = 4 << 20;
-  int64_t credit_bytes = 0;  // 0 = auto: two partitions per data connection
+  int64_t credit_bytes = 0;  // bytes being written at once; 0 = auto: a partition per connection
   int connections_per_server = 2;
   bool priority = true;
   std::string numa = "auto";

@@ -201,3 +201,24 @@ def test_sum_kernel_matches_numpy():
         expect = a + b
         _core.sum_into(a, b, dtype)
         np.testing.assert_array_equal(a, expect)
+
+
+def test_priority_with_tiny_credit_cannot_deadlock():
+    # Ranks enqueue in opposite orders with a credit of one partition: credit held until
+    # other ranks' pushes arrive would deadlock here; credit returns after sending.
+    with InProcessCluster(2, 1, partition_bytes=4096, credit_bytes=4096) as c:
+        def job(rank, w):
+            names = ["a", "b", "c"] if rank == 0 else ["c", "b", "a"]
+            keep, handles = [], []
+            for i, name in enumerate(names):
+                x = np.full(10_000, rank + 1, np.float32)
+                out = np.empty_like(x)
+                keep.append(out)
+                handles.append(w.enqueue(name, "float32", [10_000], x, out, OP_SUM, 0,
+                                         {"a": 0, "b": 5, "c": -5}[name]))
+            for h in handles:
+                wait(w, h, timeout=20)
+            return keep
+
+        for outs in c.run_all(job):
+            assert all(np.all(o == 3) for o in outs)
