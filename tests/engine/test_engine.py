@@ -213,7 +213,7 @@ def test_priority_with_tiny_credit_cannot_deadlock():
             for i, name in enumerate(names):
                 x = np.full(10_000, rank + 1, np.float32)
                 out = np.empty_like(x)
-                keep.append(out)
+                keep.append((x, out))  # inputs must stay alive until the op completes
                 handles.append(w.enqueue(name, "float32", [10_000], x, out, OP_SUM, 0,
                                          {"a": 0, "b": 5, "c": -5}[name]))
             for h in handles:
@@ -221,4 +221,4 @@ def test_priority_with_tiny_credit_cannot_deadlock():
             return keep
 
         for outs in c.run_all(job):
-            assert all(np.all(o == 3) for o in outs)
+            assert all(np.all(o == 3) for _, o in outs)
