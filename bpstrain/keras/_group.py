@@ -1,0 +1,111 @@
+"""Framework-neutral grouped operations on numpy arrays, shared by the TF and Keras adapters.
+
+A *group* is a list of arrays that are enqueued on the engine together, one after the
+other, and only then waited for: the engine moves them concurrently (in priority order)
+instead of one blocking round trip per tensor. Kept free of TensorFlow and Keras imports
+so that ``bpstrain.keras`` with the torch backend and ``bpstrain.tensorflow`` share it.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from bpstrain import engine
+
+
+def push_pull_group(
+    arrays: Sequence[np.ndarray],
+    names: Sequence[str],
+    average: bool = True,
+    priorities: Optional[Sequence[int]] = None,
+) -> List[np.ndarray]:
+    """Sums or averages every array over all ranks; returns new arrays in input order.
+
+    Args:
+        arrays: Inputs; left unchanged.
+        names: One engine tensor name per array; every rank must pass the same names.
+        average: Average (True) or sum (False).
+        priorities: Larger is sent sooner; default ``-index`` (the first array first).
+
+    Raises:
+        MismatchError: ranks disagree on a name's shape or dtype (raised after every
+            other array of the group has completed, so the engine stays consistent).
+    """
+    return _run([
+        lambda a=a, n=n, p=p: engine.push_pull_async(a, name=n, average=average, priority=p)
+        for a, n, p in zip(_as_arrays(arrays), names, _priorities(priorities, len(arrays)))
+    ])
+
+
+def broadcast_group(
+    arrays: Sequence[np.ndarray],
+    names: Sequence[str],
+    root_rank: int,
+    priorities: Optional[Sequence[int]] = None,
+) -> List[np.ndarray]:
+    """Returns ``root_rank``'s value of every array, in input order (exact copies).
+
+    Args:
+        arrays: This rank's values (only the root's are sent).
+        names: One engine tensor name per array; every rank must pass the same names.
+        root_rank: The rank whose values everyone receives.
+        priorities: Larger is sent sooner; default ``-index``.
+    """
+    return _run([
+        lambda a=a, n=n, p=p: engine.broadcast_async(a, root_rank, name=n, priority=p)
+        for a, n, p in zip(_as_arrays(arrays), names, _priorities(priorities, len(arrays)))
+    ])
+
+
+def unique_names(names: Sequence[str]) -> List[str]:
+    """Appends ``#k`` to repeated names so one group never uses a name twice.
+
+    Unnamed TF variables are all called ``Variable:0``; within one call they are told
+    apart by position, which every rank shares.
+    """
+    seen: dict = {}
+    out = []
+    for name in names:
+        count = seen.get(name, 0)
+        seen[name] = count + 1
+        out.append(name if count == 0 else f"{name}#{count}")
+    return out
+
+
+def _priorities(priorities, count: int) -> List[int]:
+    if priorities is None:
+        return [-i for i in range(count)]
+    priorities = list(priorities)
+    if len(priorities) != count:
+        raise ValueError(f"expected one priority per array ({count}). "
+                         f"Received: {len(priorities)} priorities")
+    return priorities
+
+
+def _as_arrays(values) -> List[np.ndarray]:
+    # Numbers and numpy scalars (epoch metrics) become 0-d arrays; arrays pass as they are.
+    return [np.asarray(v) for v in values]
+
+
+def _run(starters) -> List[np.ndarray]:
+    # Every started handle is waited for, even after a failure: an abandoned handle
+    # would keep its buffers (and a half-finished operation) alive in the engine.
+    handles, start_error = [], None
+    for start in starters:
+        try:
+            handles.append(start())
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            start_error = exc
+            break
+    results, first_error = [], start_error
+    for handle in handles:
+        try:
+            results.append(engine.synchronize(handle))
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            results.append(None)
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
+    return results

@@ -1,0 +1,225 @@
+"""DistributedOptimizer for Keras 3 (TensorFlow and torch backends).
+
+The wrapper is a subclass of the user's optimizer class made on the fly (as Horovod
+does), so ``isinstance``, ``get_config`` and saving behave as for the original; a
+saved model loads back as the plain optimizer. Only ``apply`` (which
+``apply_gradients`` and ``model.fit`` call) is overridden: it averages the gradients
+over all ranks, then hands them to the original ``apply``.
+
+How gradients reach the engine:
+
+* torch backend, TF eagerly (``run_eagerly=True``, custom loops): converted with
+  ``keras.ops.convert_to_numpy`` and back with ``keras.ops.convert_to_tensor``
+  (bfloat16 gradients travel as float32 on the torch backend);
+* TF backend inside ``tf.function`` (``model.fit``'s default): one
+  ``tf.numpy_function`` per step for all gradients. XLA cannot compile it:
+  ``model.compile(jit_compile=False)`` on GPUs (``"auto"`` already is False on CPU);
+  :class:`~bpstrain.keras.callbacks.BytePSCallback` switches it off for you.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from bpstrain.keras import _group
+
+
+_instances = itertools.count()
+
+
+class GradientReducer:
+    """Host-side state of one DistributedOptimizer: local aggregation, then push_pull.
+
+    Args:
+        prefix: Engine-name prefix; gradient ``i`` is ``<prefix>.<i>``.
+        backward_passes_per_step: Gradients of this many ``apply`` calls are summed
+            locally and push_pulled once; the variables change on every N-th call.
+        average_aggregated_gradients: Divide the local sum by N before push_pull.
+    """
+
+    def __init__(self, prefix: str, backward_passes_per_step: int = 1,
+                 average_aggregated_gradients: bool = False):
+        if isinstance(backward_passes_per_step, bool) or not isinstance(
+                backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be an integer >= 1. "
+                             f"Received: backward_passes_per_step={backward_passes_per_step!r}")
+        self.prefix = prefix
+        self.passes = backward_passes_per_step
+        self.average_aggregated = bool(average_aggregated_gradients)
+        self._sums: Optional[List[np.ndarray]] = None
+        self._count = 0
+
+    def step(self, arrays: Sequence[np.ndarray], keys: Sequence[int]
+             ) -> Tuple[bool, Optional[List[np.ndarray]]]:
+        """Adds one backward pass; returns ``(True, averaged)`` on update steps.
+
+        Args:
+            arrays: This pass's gradients.
+            keys: Stable index of each gradient's variable (names and priorities).
+
+        Returns:
+            ``(False, None)`` while aggregating, else ``(True, gradients averaged over
+            ranks)``.
+        """
+        if self.passes > 1:
+            if self._sums is None:
+                self._sums = [np.array(a, copy=True) for a in arrays]
+            else:
+                self._accumulate(arrays)
+            self._count += 1
+            if self._count < self.passes:
+                return False, None
+            arrays, self._sums, self._count = self._sums, None, 0
+            if self.average_aggregated:
+                arrays = [np.divide(a, self.passes).astype(a.dtype, copy=False) for a in arrays]
+        names = [f"{self.prefix}.{k}" for k in keys]
+        return True, _group.push_pull_group(arrays, names, True, [-k for k in keys])
+
+    def _accumulate(self, arrays: Sequence[np.ndarray]) -> None:
+        shapes = [a.shape for a in arrays]
+        if shapes != [s.shape for s in self._sums]:
+            raise ValueError("gradients changed between aggregated backward passes; every "
+                             f"pass must produce the same gradients. Received: {shapes}, "
+                             f"expected {[s.shape for s in self._sums]}")
+        for total, a in zip(self._sums, arrays):
+            np.add(total, a, out=total)
+
+
+class _DistributedMixin:
+    """Placed before the optimizer's class in the MRO; see DistributedOptimizer."""
+
+    _bps_reducer: GradientReducer
+
+    def apply(self, grads, trainable_variables=None):
+        """Averages ``grads`` over all ranks, then applies them (every N-th call)."""
+        grads = list(grads)
+        if not grads:
+            return super().apply(grads, trainable_variables)
+        if trainable_variables is None:
+            variables = list(getattr(self, "_trainable_variables", []))
+        else:
+            variables = list(trainable_variables)
+            if not self.built:
+                import keras
+
+                with keras.name_scope(self.name, caller=self):
+                    self.build(variables)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        keys = [self._bps_key(variables, i) for i in present]
+        update, reduced = _reduce([grads[i] for i in present], keys, self._bps_reducer)
+        for i, value in zip(present, reduced):
+            grads[i] = value
+        apply = super().apply
+
+        def skip():
+            # As Horovod: iterations counts backward passes, also those not applied.
+            self._iterations.assign_add(1)
+
+        if update is True:
+            return apply(grads, trainable_variables)
+        if update is False:
+            return skip()
+        import keras
+
+        keras.ops.cond(update, lambda: apply(grads, trainable_variables), skip)
+        return None
+
+    def _bps_key(self, variables, i: int) -> int:
+        # The optimizer's own index of the variable is the same on every rank even when
+        # a step passes a subset of the variables; fall back to the position.
+        try:
+            return int(self._get_variable_index(variables[i]))
+        except (AttributeError, IndexError, KeyError):
+            return i
+
+
+def _reduce(grads, keys, reducer: GradientReducer):
+    """Returns ``(update, grads)``; ``update`` is a bool, or a bool tensor in TF graphs."""
+    if not grads:
+        return True, []
+    import keras
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        if not tf.executing_eagerly():
+            return _reduce_in_tf_graph(grads, keys, reducer)
+    arrays = [keras.ops.convert_to_numpy(g) for g in grads]
+    update, reduced = reducer.step(arrays, keys)
+    if not update:
+        return False, grads
+    return True, [keras.ops.convert_to_tensor(r, dtype=g.dtype) for r, g in zip(reduced, grads)]
+
+
+def _reduce_in_tf_graph(grads, keys, reducer: GradientReducer):
+    import tensorflow as tf
+
+    from bpstrain.tensorflow import _ops
+
+    _ops.check_not_xla()
+    tensors = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices travel dense
+
+    @tf.autograph.experimental.do_not_convert  # plain Python, run by numpy_function
+    def run(*arrays):
+        update, reduced = reducer.step(arrays, keys)
+        return [np.array(update)] + (reduced if update else list(arrays))
+
+    outs = tf.numpy_function(run, tensors, [tf.bool] + [t.dtype for t in tensors],
+                             stateful=True, name="bpstrain_push_pull_gradients")
+    for out, tensor in zip(outs[1:], tensors):
+        out.set_shape(tensor.shape)
+    update = True if reducer.passes == 1 else tf.reshape(outs[0], [])
+    return update, list(outs[1:])
+
+
+def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False,
+                         name: Optional[str] = None):
+    """Returns a copy of ``optimizer`` that averages gradients over all ranks.
+
+    Example::
+
+        opt = keras.optimizers.SGD(0.01 * bps.size())
+        model.compile(optimizer=bps.DistributedOptimizer(opt), loss=...)
+
+    Args:
+        optimizer: A Keras 3 optimizer, not built yet (it is rebuilt from its config,
+            as in Horovod; a LossScaleOptimizer works and sees averaged gradients).
+        backward_passes_per_step: Sum the gradients of this many ``apply`` calls
+            locally and communicate once; variables change on every N-th call.
+            ``optimizer.iterations`` still counts every call.
+        average_aggregated_gradients: Divide that local sum by
+            ``backward_passes_per_step`` (default: sum, as in Horovod).
+        name: Prefix of the engine names. The default, ``Distributed<Class>.<k>``,
+            numbers the wrapped optimizers of this process, so every rank must create
+            them in the same order; pass a name when they do not.
+
+    Raises:
+        ValueError: ``optimizer`` is not a Keras optimizer, or is already distributed.
+    """
+    import keras
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError("DistributedOptimizer wraps a keras.optimizers.Optimizer. "
+                         f"Received: {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError(f"the optimizer is already distributed. Received: {optimizer!r}")
+    if optimizer.built:
+        import warnings
+
+        warnings.warn("DistributedOptimizer rebuilds the optimizer from its config; the state "
+                      "of the built one (slots, iterations) is not carried over. Wrap it "
+                      "before use. Received: a built optimizer", stacklevel=2)
+    base = type(optimizer)
+    reducer = GradientReducer(name or f"Distributed{base.__name__}.{next(_instances)}",
+                              backward_passes_per_step,
+                              average_aggregated_gradients)
+    # Same name and module as the original: saved models refer to the plain class.
+    cls = type(base.__name__, (_DistributedMixin, base),
+               {"__module__": base.__module__, "__qualname__": base.__qualname__})
+    wrapped = cls.from_config(optimizer.get_config())
+    wrapped._bps_reducer = reducer
+    return wrapped

@@ -1,0 +1,1 @@
+"""Runnable Keras examples (``python -m bpstrain.keras.examples.<name>``)."""

@@ -1,0 +1,49 @@
+"""TensorFlow adapter: ``import bpstrain.tensorflow as bps`` (BytePS/Horovod style).
+
+Example, a custom training loop run with
+``python -m bpstrain.launch --workers 2 -- python train.py``::
+
+    import keras
+    import tensorflow as tf
+    import bpstrain.tensorflow as bps
+
+    bps.init()
+    model = make_model()                  # built: its variables exist
+    opt = keras.optimizers.SGD(0.01 * bps.size())
+    opt.build(model.trainable_variables)  # so that its slots can be broadcast too
+    bps.broadcast_variables(model.variables, root_rank=0)
+    bps.broadcast_variables(opt.variables, root_rank=0)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = bps.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+Operations work eagerly and inside ``tf.function`` (not under XLA:
+``jit_compile=True`` raises ValueError). Supported dtypes: uint8, int8, int32, int64,
+float16, bfloat16, float32, float64.
+
+Errors: a shape or dtype that differs between ranks for one name raises
+``bpstrain.errors.MismatchError`` (a RuntimeError) eagerly, and
+``tf.errors.UnknownError`` with the same message (it begins with ``MismatchError:``)
+from inside a ``tf.function``; the job stays usable either way. A dead peer raises
+``PeerError`` / ``UnknownError`` likewise, and nothing waits longer than the engine's
+op timeout.
+"""
+
+from bpstrain.engine import (barrier, init, is_initialized, local_rank, local_size, rank,
+                             shutdown, size)
+from bpstrain.errors import BpsError, MismatchError, PeerError
+from bpstrain.tensorflow._ops import broadcast, push_pull
+from bpstrain.tensorflow._optim import (DistributedGradientTape, DistributedOptimizer,
+                                        broadcast_variables)
+
+__all__ = [
+    "BpsError", "DistributedGradientTape", "DistributedOptimizer", "MismatchError",
+    "PeerError", "barrier", "broadcast", "broadcast_variables", "init", "is_initialized",
+    "local_rank", "local_size", "push_pull", "rank", "shutdown", "size",
+]

@@ -1,0 +1,160 @@
+"""push_pull and broadcast as TensorFlow operations: eager, inside tf.function, differentiable.
+
+Eagerly the engine is called directly on the tensors' numpy values. Inside a
+``tf.function`` the same calls run in one ``tf.numpy_function`` per group; such ops
+are stateful, so TensorFlow's automatic control dependencies run them in program
+order on every rank. XLA cannot compile them (see :func:`check_not_xla`).
+
+Errors: eagerly the engine's exceptions come through unchanged (a cross-rank shape
+or dtype disagreement is ``bpstrain.errors.MismatchError``, a ``RuntimeError``).
+Inside a ``tf.function`` TensorFlow turns them into ``tf.errors.UnknownError`` whose
+message starts with ``MismatchError: tensor '...' disagrees across ranks``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+from bpstrain import engine
+from bpstrain.keras import _group
+
+_noname = itertools.count()
+
+
+def tensor_name(kind: str, tensor, name: Optional[str]) -> str:
+    """The engine name of ``tensor``: ``name``, or one every rank derives alike.
+
+    Inside a ``tf.function`` the name comes from the function and the graph tensor
+    (``tf.push_pull.train_step/dense/MatMul:0``), fixed at trace time. Eager tensors
+    have no name: they are numbered in call order, as in Horovod, so every rank must
+    issue its unnamed calls in the same order.
+    """
+    if name:
+        return name
+    graph_name = getattr(getattr(tensor, "graph", None), "name", None)
+    if tf.executing_eagerly() or not graph_name:
+        return f"tf.{kind}.noname.{next(_noname)}"
+    return f"tf.{kind}.{graph_name}/{tensor.name}"
+
+
+def variable_name(variable) -> str:
+    """Keras variables' ``path`` (``dense/kernel``), else TF's ``name`` without ``:0``."""
+    path = getattr(variable, "path", None)
+    if isinstance(path, str) and path:
+        return path
+    return str(getattr(variable, "name", "tensor")).split(":")[0]
+
+
+def check_not_xla() -> None:
+    """Raises ValueError inside an XLA-compiled function, where numpy_function cannot run."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # private module moved: XLA then fails with its own message
+        return
+    graph = tf.compat.v1.get_default_graph()
+    if control_flow_util.GraphOrParentsInXlaContext(graph):
+        raise ValueError(
+            "bpstrain's push_pull runs in Python and cannot be compiled by XLA; use "
+            "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) "
+            "with Keras. Received: jit_compile=True")
+
+
+def run_group(kind: str, tensors: Sequence, names: Sequence[str], average: bool = True,
+              root_rank: int = 0, priorities: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
+    """push_pulls (``kind="push_pull"``) or broadcasts a list of tensors as one group.
+
+    Returns tensors of the inputs' dtypes and static shapes, without gradients.
+    """
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+
+    @tf.autograph.experimental.do_not_convert  # plain Python, run by numpy_function
+    def run(*arrays):
+        if kind == "push_pull":
+            return _group.push_pull_group(arrays, names, average, priorities)
+        return _group.broadcast_group(arrays, names, root_rank, priorities)
+
+    if tf.executing_eagerly():
+        return [tf.convert_to_tensor(out) for out in run(*(t.numpy() for t in tensors))]
+    check_not_xla()
+    outs = tf.numpy_function(run, tensors, [t.dtype for t in tensors], stateful=True,
+                             name=f"bpstrain_{kind}")
+    for out, tensor in zip(outs, tensors):
+        out.set_shape(tensor.shape)
+    return list(outs)
+
+
+def push_pull(tensor, average: bool = True, name: Optional[str] = None, priority: int = 0):
+    """Sums or averages ``tensor`` over all ranks (eagerly or inside ``tf.function``).
+
+    Differentiable: the gradient of an average is the average of the upstream
+    gradients over all ranks (of a sum, their sum), as in Horovod.
+
+    Args:
+        tensor: A tensor of dtype uint8, int8, int32, int64, float16, bfloat16,
+            float32 or float64. Integer averages use floor division.
+        average: Average (default) or sum.
+        name: Engine name; every rank must use the same one. Derived from the graph
+            tensor inside ``tf.function``; counted per call when eager and omitted.
+            The derived name does not include shape or dtype (so that ranks that
+            disagree get an error, not a wait): a function traced again with another
+            shape or dtype, or two functions of one Python name, need explicit names.
+        priority: Larger is sent sooner.
+
+    Returns:
+        A tensor of the same shape and dtype.
+
+    Raises:
+        MismatchError: eagerly, when ranks disagree on shape or dtype (inside
+            ``tf.function``: ``tf.errors.UnknownError`` carrying that message).
+    """
+    tensor = tf.convert_to_tensor(tensor)
+    return _push_pull(tensor, average, tensor_name("push_pull", tensor, name), priority)
+
+
+def _push_pull(tensor, average, name, priority):
+    @tf.custom_gradient
+    def op(x):
+        result = run_group("push_pull", [x], [name], average, priorities=[priority])[0]
+
+        def grad(upstream):
+            return _push_pull(tf.convert_to_tensor(upstream), average, name + ".grad", priority)
+
+        return result, grad
+
+    return op(tensor)
+
+
+def broadcast(tensor, root_rank: int, name: Optional[str] = None):
+    """Returns ``root_rank``'s value of ``tensor`` on every rank.
+
+    Differentiable as in Horovod: the root's gradient is the sum of every rank's
+    upstream gradient, the other ranks' gradient is zero.
+
+    Args:
+        tensor: A tensor of a supported dtype (see :func:`push_pull`).
+        root_rank: The rank whose value is sent.
+        name: Engine name (derived as in :func:`push_pull` when omitted).
+    """
+    tensor = tf.convert_to_tensor(tensor)
+    return _broadcast(tensor, root_rank, tensor_name("broadcast", tensor, name))
+
+
+def _broadcast(tensor, root_rank, name):
+    @tf.custom_gradient
+    def op(x):
+        result = run_group("broadcast", [x], [name], root_rank=root_rank)[0]
+
+        def grad(upstream):
+            total = _push_pull(tf.convert_to_tensor(upstream), False, name + ".grad", 0)
+            return total if engine.rank() == root_rank else tf.zeros_like(total)
+
+        return result, grad
+
+    return op(tensor)
+
+

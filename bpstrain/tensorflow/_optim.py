@@ -1,0 +1,175 @@
+"""Gradient averaging for TensorFlow: broadcast_variables, DistributedGradientTape,
+DistributedOptimizer."""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Sequence
+
+import tensorflow as tf
+
+from bpstrain.keras import _group
+from bpstrain.tensorflow import _ops
+
+
+def broadcast_variables(variables: Iterable, root_rank: int, name: str = "broadcast"):
+    """Assigns ``root_rank``'s value to every variable on every rank.
+
+    Args:
+        variables: tf.Variables or Keras variables (e.g. ``model.variables``).
+        root_rank: The rank whose values everyone gets.
+        name: Prefix of the engine names (``<name>.<variable path>``); variables of
+            different shapes must not share a name across calls.
+
+    Returns:
+        None eagerly and inside ``tf.function`` (automatic control dependencies run
+        the assignments); in a TF1-style graph the ``tf.group`` op to run.
+    """
+    variables = list(variables)
+    names = _group.unique_names([f"tf.{name}.{_ops.variable_name(v)}" for v in variables])
+    values = _ops.run_group("broadcast", variables, names, root_rank=root_rank)
+    assigns = [v.assign(value) for v, value in zip(variables, values)]
+    if tf.executing_eagerly() or tf.inside_function():
+        return None
+    return tf.group(*assigns)
+
+
+def reduce_gradients(grads: Sequence, sources: Sequence, prefix: str,
+                     average: bool = True) -> List:
+    """push_pulls the non-None gradients as one group; None stays None.
+
+    Engine names are ``<prefix>.<source variable path>`` (index for unnamed
+    sources). IndexedSlices (embedding gradients) are sent dense.
+    """
+    present = [i for i, g in enumerate(grads) if g is not None]
+    names = _group.unique_names([
+        f"{prefix}.{_source_name(sources[i], i) if i < len(sources) else i}" for i in present])
+    dense = [tf.convert_to_tensor(grads[i]) for i in present]
+    reduced = _ops.run_group("push_pull", dense, names, average)
+    out = list(grads)
+    for i, value in zip(present, reduced):
+        out[i] = value
+    return out
+
+
+def _source_name(source, index: int) -> str:
+    if isinstance(source, tf.Tensor) and tf.executing_eagerly():
+        return str(index)  # eager tensors have no name
+    return _ops.variable_name(source)
+
+
+class _DistributedTapeMixin:
+    """Overrides ``gradient`` of a tf.GradientTape subclass; see DistributedGradientTape."""
+
+    _bps_prefix = "DistributedGradientTape"
+    _bps_average = True
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        """Like tf.GradientTape.gradient, averaged (or summed) over all ranks."""
+        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
+        flat_grads = tf.nest.flatten(grads, expand_composites=False)
+        flat_sources = tf.nest.flatten(sources, expand_composites=False)
+        reduced = reduce_gradients(flat_grads, flat_sources, self._bps_prefix, self._bps_average)
+        return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
+
+
+def DistributedGradientTape(gradtape: tf.GradientTape, average: bool = True,
+                            name: Optional[str] = None) -> tf.GradientTape:
+    """Wraps a recorded tape so that ``gradient()`` averages over all ranks.
+
+    Example::
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(model(x), y)
+        tape = bps.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+
+    Args:
+        gradtape: The tape (its recording is shared, not copied).
+        average: Average (default) or sum the gradients.
+        name: Prefix of the engine names; give two tapes over different variables
+            with the same paths distinct names.
+
+    Returns:
+        An instance of a subclass of ``type(gradtape)``.
+    """
+    if not isinstance(gradtape, tf.GradientTape):
+        raise ValueError("DistributedGradientTape wraps a tf.GradientTape. "
+                         f"Received: {type(gradtape).__name__}")
+    base = type(gradtape)
+    cls = type(base.__name__, (_DistributedTapeMixin, base), {"__module__": base.__module__})
+    tape = cls.__new__(cls)
+    tape.__dict__.update(gradtape.__dict__)
+    tape._bps_prefix = name or "DistributedGradientTape"
+    tape._bps_average = average
+    return tape
+
+
+class _DistributedV1Optimizer(tf.compat.v1.train.Optimizer):
+    """A tf.compat.v1.train.Optimizer whose compute_gradients averages over ranks."""
+
+    def __init__(self, optimizer, name: Optional[str], average: bool):
+        self._optimizer = optimizer
+        self._bps_prefix = name or f"Distributed{type(optimizer).__name__}"
+        self._bps_average = average
+        super().__init__(name=self._bps_prefix, use_locking=False)
+
+    def compute_gradients(self, *args, **kwargs):
+        """Gradients of the wrapped optimizer, averaged over all ranks."""
+        pairs = self._optimizer.compute_gradients(*args, **kwargs)
+        grads = reduce_gradients([g for g, _ in pairs], [v for _, v in pairs],
+                                 self._bps_prefix, self._bps_average)
+        return list(zip(grads, [v for _, v in pairs]))
+
+    def apply_gradients(self, *args, **kwargs):
+        """Delegates to the wrapped optimizer."""
+        return self._optimizer.apply_gradients(*args, **kwargs)
+
+    def get_slot(self, *args, **kwargs):
+        """Delegates to the wrapped optimizer."""
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        """Delegates to the wrapped optimizer."""
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args, **kwargs):
+        """Delegates to the wrapped optimizer."""
+        return self._optimizer.variables(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, name: Optional[str] = None, average: bool = True,
+                         backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False):
+    """Wraps an optimizer so that gradients are averaged over all ranks before use.
+
+    Args:
+        optimizer: A Keras 3 optimizer (``tf.keras.optimizers.*``; handled by
+            :func:`bpstrain.keras.DistributedOptimizer`) or a
+            ``tf.compat.v1.train.Optimizer``.
+        name: Prefix of the engine names.
+        average: Average (default) or sum; v1 optimizers only (Keras always averages).
+        backward_passes_per_step: Keras optimizers only; see bpstrain.keras.
+        average_aggregated_gradients: Keras optimizers only; see bpstrain.keras.
+
+    Raises:
+        ValueError: ``optimizer`` is neither kind, or options do not apply to it.
+    """
+    import keras
+
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        if not average:
+            raise ValueError("Keras optimizers always average gradients. Received: average=False")
+        from bpstrain.keras._optimizer import DistributedOptimizer as keras_distributed
+
+        return keras_distributed(optimizer, name=name,
+                                 backward_passes_per_step=backward_passes_per_step,
+                                 average_aggregated_gradients=average_aggregated_gradients)
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        if backward_passes_per_step != 1 or average_aggregated_gradients:
+            raise ValueError("backward_passes_per_step applies to Keras optimizers only. "
+                             f"Received: backward_passes_per_step={backward_passes_per_step} "
+                             f"with {type(optimizer).__name__}")
+        return _DistributedV1Optimizer(optimizer, name, average)
+    raise ValueError("DistributedOptimizer wraps a keras.optimizers.Optimizer or a "
+                     f"tf.compat.v1.train.Optimizer. Received: {type(optimizer).__name__}")

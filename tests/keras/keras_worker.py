@@ -1,0 +1,228 @@
+"""One worker of the multi-process bpstrain.keras test (run by test_keras.py).
+
+``KERAS_BACKEND`` (tensorflow or torch) comes from the environment. Many checks in
+one process because importing the backend costs seconds. Each rank prints one
+``CHECK {json}`` line per check (name, rank, ok, error); the test reports them.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+
+import bpstrain.keras as bps
+from bpstrain import engine
+
+BACKEND = os.environ["KERAS_BACKEND"]
+STEPS = 4  # batches per epoch in the fit checks
+
+
+def same_as_rank0(arrays, tag):
+    """Raises unless every array is bit-identical to rank 0's."""
+    for i, a in enumerate(arrays):
+        a = np.asarray(a)
+        root = engine.broadcast(a, 0, name=f"check.{tag}.{i}")
+        if not np.array_equal(root, a):
+            raise AssertionError(f"rank {bps.rank()}: {tag}[{i}] differs from rank 0: "
+                                 f"max |diff| = {np.max(np.abs(root - a))}")
+
+
+def weights(variables):
+    return [keras.ops.convert_to_numpy(v) for v in variables]
+
+
+def small_model(seed):
+    # A different start on every rank. (keras.utils.set_random_seed would import
+    # TensorFlow even on the torch backend.)
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((8,)),
+        keras.layers.Dense(16, activation="relu", kernel_initializer=init(seed)),
+        keras.layers.Dense(1, kernel_initializer=init(seed + 1)),
+    ])
+
+
+def rank_data(r, n_samples=STEPS * 16):
+    rng = np.random.default_rng(1000 + r)  # different data on every rank
+    x = rng.normal(size=(n_samples, 8)).astype("float32")
+    return x, (x.sum(axis=1, keepdims=True) > 0).astype("float32")
+
+
+class RecordLearningRate(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.at_batch_begin = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.at_batch_begin.append(float(keras.ops.convert_to_numpy(
+            self.model.optimizer.learning_rate)))
+
+
+def warmup_lr(initial, n, warmup, epoch_fraction):
+    """Horovod's warm-up formula at fractional epoch ``epoch_fraction``."""
+    e = epoch_fraction + 1.0 / STEPS
+    return initial / n * (e * (n - 1) / warmup + 1)
+
+
+def check_bytepscallback(r, n):
+    model = small_model(seed=r)
+    same_before = engine.push_pull(np.array(weights(model.variables)[0]), "check.init",
+                                   average=True)
+    assert not np.array_equal(same_before, weights(model.variables)[0]), "init should differ"
+    initial = 0.02 * n
+    model.compile(optimizer=bps.DistributedOptimizer(keras.optimizers.SGD(0.02, momentum=0.9)),
+                  loss="binary_crossentropy", metrics=["accuracy"])
+    record = RecordLearningRate()
+    x, y = rank_data(r)
+    history = model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0,
+                        callbacks=[bps.BytePSCallback(warmup_epochs=2, initial_lr=initial),
+                                   record])
+    same_as_rank0(weights(model.variables), "fit.model")
+    same_as_rank0(weights(model.optimizer.variables), "fit.optimizer")
+    same_as_rank0([np.array(history.history["loss"]), np.array(history.history["accuracy"])],
+                  "fit.history")
+    expected_epoch_lr = [warmup_lr(initial, n, 2, e + (STEPS - 1) / STEPS) for e in range(2)]
+    expected_epoch_lr += [initial] * 2  # the rate stays where the warm-up ended
+    np.testing.assert_allclose(history.history["lr"], expected_epoch_lr, rtol=1e-6)
+    expected_batch_lr = [warmup_lr(initial, n, 2, e + b / STEPS)
+                         for e in range(2) for b in range(STEPS)]
+    np.testing.assert_allclose(record.at_batch_begin[:2 * STEPS], expected_batch_lr, rtol=1e-6)
+    np.testing.assert_allclose(record.at_batch_begin[2 * STEPS:], initial, rtol=1e-6)
+
+
+def check_separate_callbacks(r, n):
+    model = small_model(seed=10 + r)
+    model.compile(optimizer=bps.DistributedOptimizer(keras.optimizers.Adam(0.01),
+                                                     name="separate"), loss="mse")
+    x, y = rank_data(r)
+    history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[
+        bps.BroadcastGlobalVariablesCallback(0),
+        bps.MetricAverageCallback(),
+        bps.LearningRateWarmupCallback(initial_lr=0.2, warmup_epochs=1),
+        bps.LearningRateScheduleCallback(initial_lr=0.2, multiplier=lambda e: 0.5 ** e,
+                                         start_epoch=1),
+    ])
+    same_as_rank0(weights(model.variables), "callbacks.model")
+    same_as_rank0([np.array(history.history["loss"])], "callbacks.history")
+    np.testing.assert_allclose(history.history["lr"], [0.2, 0.1, 0.05], rtol=1e-6)
+
+
+class RecordKernel(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.kernels = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.kernels.append(keras.ops.convert_to_numpy(self.model.layers[0].kernel).ravel())
+
+
+def check_aggregation(r, n, average_aggregated, run_eagerly=False):
+    """backward_passes_per_step=4: the kernel moves on every 4th batch, by the sum."""
+    lr, passes, batches = 0.1, 4, 8
+    model = keras.Sequential([keras.Input((4,)),
+                              keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")])
+    opt = bps.DistributedOptimizer(keras.optimizers.SGD(lr), backward_passes_per_step=passes,
+                                   average_aggregated_gradients=average_aggregated,
+                                   name=f"aggregation.{average_aggregated}.{run_eagerly}")
+    # loss = mean(x . w) over a batch of one, so d loss / d w = x = (rank + 1) * (b + 1).
+    model.compile(optimizer=opt, loss=lambda y_true, y_pred: keras.ops.mean(y_pred),
+                  run_eagerly=run_eagerly)
+    x = np.array([[(r + 1) * (b + 1)] * 4 for b in range(batches)], dtype="float32")
+    record = RecordKernel()
+    model.fit(x, np.zeros((batches, 1), "float32"), batch_size=1, epochs=1, shuffle=False,
+              verbose=0, callbacks=[record])
+    mean_rank_factor = (n + 1) / 2
+    kernel, expected = np.ones(4), []
+    for b in range(batches):
+        if b % passes == passes - 1:
+            local_sum = sum(range(b + 2 - passes, b + 2))  # sum of (b' + 1) over the window
+            step = local_sum / passes if average_aggregated else local_sum
+            kernel = kernel - lr * mean_rank_factor * step
+        expected.append(kernel.copy())
+    np.testing.assert_allclose(np.array(record.kernels), np.array(expected), rtol=1e-6,
+                               err_msg=f"average_aggregated={average_aggregated}")
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == batches, opt.iterations
+
+
+def check_helpers(r, n):
+    np.testing.assert_allclose(bps.push_pull(np.float32(r), name="helper.scalar"), (n - 1) / 2)
+    v = keras.Variable(np.full((2,), float(r), "float32"))
+    bps.broadcast_variables([v], root_rank=n - 1, name="helper.bcast")
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(v), [n - 1] * 2)
+
+
+def check_misuse(r, n):
+    import pytest
+
+    with pytest.raises(ValueError, match="keras.optimizers.Optimizer"):
+        bps.DistributedOptimizer(object())
+    wrapped = bps.DistributedOptimizer(keras.optimizers.SGD(0.1), name="misuse")
+    with pytest.raises(ValueError, match="already distributed"):
+        bps.DistributedOptimizer(wrapped)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        bps.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0)
+    assert isinstance(wrapped, keras.optimizers.SGD)
+    config = wrapped.get_config()
+    assert type(wrapped).__name__ == "SGD", type(wrapped)
+    assert np.isclose(config["learning_rate"], 0.1), config
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
+    with pytest.raises(ValueError, match="LearningRateSchedule"):
+        bps.callbacks.set_learning_rate(keras.optimizers.SGD(schedule), 0.5)
+
+
+def check_xla_switched_off(r, n):
+    """TF backend: jit_compile=True fails clearly alone and is turned off by BytePSCallback."""
+    if BACKEND != "tensorflow":
+        return  # jit_compile means torch.compile there; nothing to check
+    import warnings
+
+    import pytest
+
+    x, y = rank_data(r)
+    model = small_model(seed=20)
+    model.compile(optimizer=bps.DistributedOptimizer(keras.optimizers.SGD(0.01), name="xla1"),
+                  loss="mse", jit_compile=True)
+    with pytest.raises(ValueError, match="jit_compile=False"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    model = small_model(seed=21)
+    model.compile(optimizer=bps.DistributedOptimizer(keras.optimizers.SGD(0.01), name="xla2"),
+                  loss="mse", jit_compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[bps.BytePSCallback()])
+    assert model.jit_compile is False
+    assert any("turns XLA off" in str(w.message) for w in caught), [str(w) for w in caught]
+    same_as_rank0(weights(model.variables), "xla.model")
+
+
+CHECKS = [
+    ("helpers", check_helpers),
+    ("bytepscallback_fit", check_bytepscallback),
+    ("separate_callbacks_fit", check_separate_callbacks),
+    ("aggregation_sum", lambda r, n: check_aggregation(r, n, average_aggregated=False)),
+    ("aggregation_average", lambda r, n: check_aggregation(r, n, average_aggregated=True)),
+    ("aggregation_run_eagerly",
+     lambda r, n: check_aggregation(r, n, average_aggregated=False, run_eagerly=True)),
+    ("misuse", check_misuse),
+    ("xla_switched_off", check_xla_switched_off),
+]
+
+
+def main():
+    bps.init()
+    r, n = bps.rank(), bps.size()
+    assert keras.backend.backend() == BACKEND, keras.backend.backend()
+    for name, check in CHECKS:
+        try:
+            check(r, n)
+            ok, error = True, ""
+        except Exception as exc:  # reported per check; the next check still runs
+            ok, error = False, f"{type(exc).__name__}: {exc}"[-3000:]
+        print("CHECK " + json.dumps({"name": name, "rank": r, "ok": ok, "error": error}),
+              flush=True)
+    bps.shutdown()
+
+
+if __name__ == "__main__":
+    main()
