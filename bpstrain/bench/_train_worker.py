@@ -1,0 +1,124 @@
+"""One worker of the training benchmark: synthetic-data SGD steps, timed.
+
+bpstrain (cluster from BytePS's ``DMLC_*`` variables; scheduler and servers running)::
+
+    python -m bpstrain.bench._train_worker --system bpstrain --model vgg16 --iters 3
+
+torch DDP over gloo (rank 0 hosts the rendezvous at ``--addr:--port``)::
+
+    python -m bpstrain.bench._train_worker --system ddp --addr 10.213.0.1 --port 23000 \
+        --rank 0 --world-size 4 --ifname eth0 --model vgg16 --iters 3
+
+Prints one ``BENCH_RESULT`` line (see :mod:`bpstrain.bench._report`) whose single
+result is ``{"model", "batch", "times": [seconds per step, ...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+from bpstrain.bench import _report
+
+
+def _build(args):
+    import torch
+
+    from bpstrain.models import get_model
+
+    torch.manual_seed(0)
+    model = get_model(args.model, num_classes=args.num_classes)
+    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
+    target = torch.randint(args.num_classes, (args.batch_size,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+    return model, optimizer, data, target
+
+
+def _timed_steps(model, optimizer, data, target, iters, warmup):
+    import torch.nn.functional as F
+
+    times = []
+    for i in range(warmup + iters):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), target).backward()
+        optimizer.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def run_bpstrain(args):
+    """Trains with bpstrain's DistributedOptimizer; returns (rank, size, times)."""
+    import bpstrain.torch as bps
+    from bpstrain import engine
+
+    bps.init()
+    try:
+        model, optimizer, data, target = _build(args)
+        compression = bps.Compression.fp16 if args.fp16 else bps.Compression.none
+        optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             compression=compression)
+        bps.broadcast_parameters(model.state_dict(), root_rank=0)
+        times = _timed_steps(model, optimizer, data, target, args.iters, args.warmup)
+        engine.barrier()
+        return bps.rank(), bps.size(), times
+    finally:
+        bps.shutdown()
+
+
+def run_ddp(args):
+    """Trains with torch DDP over gloo; returns (rank, size, times)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.rank,
+                            world_size=args.world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        model, optimizer, data, target = _build(args)
+        model = DistributedDataParallel(model)
+        if args.fp16:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        times = _timed_steps(model, optimizer, data, target, args.iters, args.warmup)
+        dist.barrier()
+        return args.rank, args.world_size, times
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    """Command-line entry point; see the module docstring."""
+    p = argparse.ArgumentParser(prog="python -m bpstrain.bench._train_worker")
+    p.add_argument("--system", choices=["bpstrain", "ddp"], required=True)
+    p.add_argument("--model", default="vgg16")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--fp16", action="store_true", help="float16 gradients on the wire")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--addr"), p.add_argument("--port", type=int)
+    p.add_argument("--rank", type=int), p.add_argument("--world-size", type=int)
+    p.add_argument("--ifname", help="network interface gloo binds to")
+    p.add_argument("--timeout", type=float, default=600.0)
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
+    rank, size, times = (run_bpstrain if args.system == "bpstrain" else run_ddp)(args)
+    _report.emit(args.system, rank, size, [{"model": args.model, "batch": args.batch_size,
+                                            "times": times}])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

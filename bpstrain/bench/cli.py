@@ -1,0 +1,107 @@
+"""``python -m bpstrain.bench``: command line of the benchmarks.
+
+Examples::
+
+    python -m bpstrain.bench                       # loopback: 64M push_pull vs gloo, 4K latency
+    python -m bpstrain.bench loopback --size 16M --iters 5
+    python -m bpstrain.bench cluster --workers 2 4 --servers 1 2 4 \
+        --sizes 4M 64M 256M --rate-mbit 800     # emulated hosts, needs root
+    python -m bpstrain.bench cluster --workers 2 --servers 2 --sizes 64M \
+        --partition-bytes 1M 4M 16M             # partition-size sweep
+
+Progress goes to stderr; the table is printed last on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from bpstrain.bench import _jobs, cluster, emulated, loopback
+from bpstrain.bench.bounds import parse_size
+from bpstrain.bench.table import format_table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (subcommands ``loopback``, the default, and ``cluster``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bpstrain.bench",
+        description="bpstrain push_pull vs torch.distributed gloo all_reduce.")
+    sub = parser.add_subparsers(dest="command")
+
+    lo = sub.add_parser("loopback", help="all processes on this machine (default)")
+    lo.add_argument("--size", type=parse_size, default=64 << 20, help="tensor bytes (64M)")
+    lo.add_argument("--workers", type=int, default=2)
+    lo.add_argument("--servers", type=int, default=2)
+    lo.add_argument("--iters", type=int, default=10)
+    lo.add_argument("--warmup", type=int, default=2)
+    lo.add_argument("--latency-size", type=parse_size, default=4 << 10)
+    lo.add_argument("--latency-iters", type=int, default=200)
+    lo.add_argument("--partition-bytes", type=parse_size, default=None)
+    lo.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+
+    cl = sub.add_parser("cluster", help="emulated hosts with capped links (root)")
+    cl.add_argument("--workers", type=int, nargs="+", default=[2])
+    cl.add_argument("--servers", type=int, nargs="+", default=[2])
+    cl.add_argument("--sizes", type=parse_size, nargs="+", default=[4 << 20, 64 << 20])
+    cl.add_argument("--rate-mbit", type=float, default=800.0,
+                    help="per-host upload and download cap, Mbit/s")
+    cl.add_argument("--partition-bytes", type=parse_size, nargs="+", default=[None],
+                    help="one value, or several for a partition-size sweep")
+    cl.add_argument("--iters", type=int, default=5)
+    cl.add_argument("--warmup", type=int, default=1)
+    cl.add_argument("--scheduler", choices=["own", "host0"], default="own",
+                    help="scheduler on its own host or on worker host 0")
+    cl.add_argument("--latency-ms", type=float, default=20.0, help="tbf queue latency")
+    cl.add_argument("--cleanup-stale", action="store_true",
+                    help="first delete namespaces left by crashed runs")
+
+    for p in (lo, cl):
+        p.add_argument("--no-gloo", dest="gloo", action="store_false",
+                       help="skip the gloo baseline")
+        p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the chosen benchmark and prints its table; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("loopback", "cluster", "-h", "--help"):
+        argv.insert(0, "loopback")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "cluster":
+            ok, reason = emulated.available()
+            if not ok:
+                print(f"bpstrain.bench cluster: {reason}.", file=sys.stderr)
+                return 2
+            if args.cleanup_stale:
+                emulated.cleanup_stale()
+            rows = cluster.run(cluster.ClusterPlan(
+                workers=args.workers, servers=args.servers, sizes=args.sizes,
+                rate_mbit=args.rate_mbit, partitions=args.partition_bytes,
+                iters=args.iters, warmup=args.warmup, scheduler=args.scheduler,
+                gloo=args.gloo, latency_ms=args.latency_ms))
+            title = (f"emulated cluster, {args.rate_mbit:g} Mbit/s per host "
+                     "(n workers, k servers; vs gloo = gloo time / time)")
+        else:
+            rows = loopback.run(loopback.LoopbackPlan(
+                size=args.size, workers=args.workers, servers=args.servers,
+                iters=args.iters, warmup=args.warmup, latency_size=args.latency_size,
+                latency_iters=args.latency_iters, partition_bytes=args.partition_bytes,
+                gloo=args.gloo, timeout_s=args.timeout))
+            title = "loopback (vs gloo = gloo time / time; >1 means faster than gloo)"
+    except (_jobs.BenchError, ValueError) as exc:
+        print(f"bpstrain.bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bpstrain.bench: interrupted; processes and namespaces were removed.",
+              file=sys.stderr)
+        return 130
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump([r.as_dict() for r in rows], handle, indent=2)
+    print(title)
+    print(format_table(rows))
+    return 0

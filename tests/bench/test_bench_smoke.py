@@ -1,0 +1,38 @@
+"""One quick end-to-end run of the benchmark CLI (tiny sizes; not a performance test)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bpstrain.bench import emulated
+from bpstrain.bench.cli import main
+
+try:
+    import bpstrain._core  # noqa: F401
+    import bpstrain.engine  # noqa: F401
+    _ENGINE, _WHY = True, ""
+except ImportError as exc:  # the C++ engine is not built
+    _ENGINE, _WHY = False, f"bpstrain engine not importable: {exc}"
+
+pytestmark = pytest.mark.skipif(not _ENGINE, reason=_WHY)
+
+
+@pytest.mark.timeout(180)
+def test_loopback_bench_prints_table(capsys):
+    assert main(["loopback", "--size", "256K", "--iters", "2", "--warmup", "1",
+                 "--latency-iters", "5", "--timeout", "120"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    systems = [line.split()[0] for line in out[3:]]
+    assert sorted(systems) == ["bpstrain", "bpstrain", "gloo", "gloo"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not emulated.available()[0], reason=emulated.available()[1])
+def test_cluster_bench_prints_table(capsys):
+    assert main(["cluster", "--workers", "2", "--servers", "1", "--sizes", "256K",
+                 "--rate-mbit", "400", "--iters", "2", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(line.split()[0] for line in out[3:]) == ["bpstrain", "gloo"]
+    assert emulated.list_namespaces(f"{emulated.DEFAULT_PREFIX}{os.getpid()}x") == []
