@@ -178,7 +178,7 @@ PYBIND11_MODULE(_core, m) {
            }),
            py::arg("scheduler_host"), py::arg("scheduler_port"), py::arg("rank_hint") = -1,
            py::arg("local_rank") = 0, py::arg("local_size") = 1, py::arg("partition_bytes") = 4 << 20,
-           py::arg("credit_bytes") = 0, py::arg("connections_per_server") = 2, py::arg("priority") = true,
+           py::arg("credit_bytes") = 0, py::arg("connections_per_server") = 1, py::arg("priority") = true,
            py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
            py::arg("hierarchical") = false)
       .def("start", &Worker::Start)

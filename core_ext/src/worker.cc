@@ -97,7 +97,7 @@ void Worker::Rendezvous() {
                                         TaskOrder{opts_.priority}));
     credit_ = opts_.credit_bytes > 0
                   ? opts_.credit_bytes
-                  : std::max<int64_t>(opts_.partition_bytes * static_cast<int64_t>(conns.size()), 1 << 20);
+                  : std::max<int64_t>(4 * opts_.partition_bytes, 1 << 20);
     conns_ = std::move(conns);
     for (auto& dc : conns_) {
       DataConn* p = dc.get();
@@ -203,11 +203,20 @@ int64_t Worker::EnqueueBarrier() {
 
 void Worker::ScheduleLocked(const std::shared_ptr<Handle>& h, Tensor& t) {
   h->total_parts = h->remaining = static_cast<int>(t.parts.size());
+  // Send order inside one operation: this rank visits the servers starting at its own
+  // index (rank r sends its g-th partition for server (r + j) % k in slot g*k + j), so at
+  // any moment the workers feed different servers instead of all crowding one link.
+  const int k = static_cast<int>(servers_.size());
+  std::vector<int> seen(k, 0);
+  const uint64_t base = next_seq_;
+  next_seq_ += static_cast<uint64_t>(t.parts.size()) * k;
   for (size_t p = 0; p < t.parts.size(); ++p) {
     const Part& part = t.parts[p];
     uint64_t key = (static_cast<uint64_t>(t.id) << kPartBits) | p;
+    const int slot = ((part.server - rank_) % k + k) % k;
+    const uint64_t order = base + static_cast<uint64_t>(seen[part.server]++) * k + slot;
     queues_[part.server].push(
-        Task{h, key, h->version, part.offset, part.len, part.server, h->req.priority, next_seq_++});
+        Task{h, key, h->version, part.offset, part.len, part.server, h->req.priority, order});
   }
   send_cv_.notify_all();
 }
@@ -297,6 +306,16 @@ void Worker::StartLocalGroup(uint64_t job_id) {
   group_ = std::make_unique<LocalGroup>(layout, std::move(hooks), cpus_);
 }
 
+bool Worker::IsGlobalNextLocked(int server) const {
+  // Under a credit the partitions go out in one global order (priority, then sequence),
+  // not in whichever order the per-server sender threads happen to wake up.
+  const Task& mine = queues_[server].top();
+  TaskOrder after{opts_.priority};
+  for (size_t s = 0; s < queues_.size(); ++s)
+    if (static_cast<int>(s) != server && !queues_[s].empty() && after(mine, queues_[s].top())) return false;
+  return true;
+}
+
 void Worker::SenderLoop(DataConn* c) {
   SetupEngineThread("bps-send" + std::to_string(c->server), cpus_);
   auto& q = queues_[c->server];
@@ -306,11 +325,13 @@ void Worker::SenderLoop(DataConn* c) {
       std::unique_lock<std::mutex> lk(mu_);
       send_cv_.wait(lk, [&] {
         return stopping_ || failed_ ||
-               (!q.empty() && (bytes_in_flight_ == 0 || bytes_in_flight_ + q.top().len <= credit_));
+               (!q.empty() && (bytes_in_flight_ == 0 || bytes_in_flight_ + q.top().len <= credit_) &&
+                IsGlobalNextLocked(c->server));
       });
       if (stopping_ || failed_) return;
       t = q.top();
       q.pop();
+      send_cv_.notify_all();  // another queue's head may now be the global next
       if (t.handle->done) continue;  // its op already failed
       bytes_in_flight_ += t.len;
       in_flight_[{t.key, t.version}] = t;

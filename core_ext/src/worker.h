@@ -44,8 +44,8 @@ struct WorkerOptions {
   int local_rank = 0;
   int local_size = 1;
   int64_t partition_bytes = 4 << 20;
-  int64_t credit_bytes = 0;  // bytes being written at once; 0 = auto: a partition per connection
-  int connections_per_server = 2;
+  int64_t credit_bytes = 0;  // bytes being written at once; 0 = auto: 4 partitions (>= 1 MiB)
+  int connections_per_server = 1;
   bool priority = true;
   std::string numa = "auto";
   double rendezvous_timeout = 120.0;
@@ -131,6 +131,7 @@ class Worker {
   void OnDeclareReply(const std::string& meta);
   void ScheduleLocked(const std::shared_ptr<Handle>& h, Tensor& t);
   void SenderLoop(DataConn* c);
+  bool IsGlobalNextLocked(int server) const;
   void ReceiverLoop(DataConn* c);
   void CompletePartLocked(const std::shared_ptr<Handle>& h, int64_t len);
   void FailHandleLocked(const std::shared_ptr<Handle>& h, Error::Kind kind, const std::string& msg);
