@@ -1,0 +1,291 @@
+"""``fit`` from a notebook or plain script: a whole local cluster in child processes.
+
+Scheduler and servers come from :class:`bpstrain.launch.LocalServices`; the workers
+are ``multiprocessing`` processes with an explicit start method (``spawn`` unless
+configured: ``fork`` is unsafe once torch or a kernel has started threads, and a
+forkserver would outlive the cell). The model, data and callbacks travel as one
+cloudpickle payload, so classes defined in a notebook work.
+
+The parent shows the only progress bar (rank 0's calls arrive over a queue), and
+on success loads rank 0's weights into the caller's model. Whatever happens --
+success, a worker's exception, Ctrl-C -- every child is stopped before ``launch``
+returns, and the scheduler's port is free again.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue as queue_mod
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any, Dict, List, Optional
+
+from omegaconf import OmegaConf
+
+from bpstrain.errors import BpsError, BpsTimeoutError, PeerError, ShutdownError
+from bpstrain.trainer.history import History
+
+_CLUSTER_VARS = ("DMLC_", "BYTEPS_", "BPSTRAIN_")
+_POLL_S = 0.2
+_GRACE_S = 3.0
+_ROOT_CAUSE_WAIT_S = 2.0  # after a peer error, how long to wait for the failing rank's own
+
+
+class WorkerError(BpsError):
+    """A worker failed and its exception could not be rebuilt here; carries its traceback.
+
+    Attributes:
+        rank: The failing worker.
+        remote_traceback: The worker's traceback text.
+    """
+
+    def __init__(self, message: str, rank: int, remote_traceback: str):
+        super().__init__(message)
+        self.rank, self.remote_traceback = rank, remote_traceback
+
+
+class RemoteTraceback(Exception):
+    """Set as ``__cause__`` of a re-raised worker exception; its text is the traceback."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def start_method(name: str) -> str:
+    """The multiprocessing start method for ``cluster.start_method``.
+
+    ``auto`` is ``spawn``: by the time workers start, the services' output-relay
+    threads run in this process (and a Jupyter kernel always has threads), so ``fork``
+    is never known to be safe; ``forkserver`` works but its server outlives the call.
+    """
+    if name == "auto":
+        return "spawn"
+    if name == "fork" and threading.active_count() > 1:
+        warnings.warn("cluster.start_method=fork with threads running in this process; a "
+                      "forked worker may deadlock. 'spawn' is the safe choice. "
+                      "Received: start_method='fork'", RuntimeWarning, stacklevel=3)
+    return name
+
+
+class LocalClusterLauncher:
+    """Runs one :meth:`Trainer.fit` on ``cluster.workers`` child processes.
+
+    Args:
+        trainer: The parent's Trainer; its config and callbacks are sent to every worker.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.procs: List[Any] = []
+        self.services = None
+
+    def _payload(self, model: Any, data: Any, val_data: Any, folder: str) -> str:
+        """Writes the cloudpickled job to a private file; returns its path.
+
+        Through a file, not the Process arguments: spawn writes those into a pipe the
+        parent itself keeps open, so a child that dies before reading them (e.g. a script
+        without a ``__main__`` guard) would block the parent forever.
+        """
+        import cloudpickle
+
+        config = OmegaConf.to_container(self.trainer.config, resolve=True)
+        try:
+            blob = cloudpickle.dumps((config, self.trainer.callbacks, model, data, val_data))
+        except Exception as exc:
+            raise TypeError(
+                "Trainer.fit with cluster.workers > 1 sends the model, data and callbacks to "
+                "worker processes, so they must be picklable (cloudpickle). Pass data as a "
+                "callable that builds it, or set cluster.workers=1. "
+                f"Received: {type(exc).__name__}: {exc}") from exc
+        path = os.path.join(folder, "job.pkl")
+        with open(path, "wb") as f:
+            f.write(blob)
+        return path
+
+    def launch(self, model: Any, data: Any, val_data: Any) -> History:
+        """Starts the cluster, supervises it and returns rank 0's history."""
+        from bpstrain.launch import LocalServices
+        from bpstrain.trainer._child import main, unpack_weights
+        from bpstrain.trainer.callbacks.progress import TqdmSink
+
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            raise RuntimeError(
+                "Trainer.fit was called while a worker process was importing your script. "
+                "With cluster.workers > 1, guard the script's entry point with "
+                "`if __name__ == \"__main__\":`. Received: a call during process bootstrap")
+        cfg = self.trainer.config.cluster
+        method = start_method(cfg.start_method)
+        ctx = multiprocessing.get_context(method)
+        parent_pid = None if method == "forkserver" else os.getpid()
+        folder = tempfile.mkdtemp(prefix="bpstrain-fit-")  # mode 0700: private to this user
+        messages, sink = None, TqdmSink()
+        try:
+            payload = self._payload(model, data, val_data, folder)
+            messages = ctx.Queue()
+            extra = {"BPSTRAIN_SECRET": cfg.secret} if cfg.secret else {}
+            self.services = LocalServices(cfg.workers, cfg.servers, cfg.local_size,
+                                          host=cfg.host, port=cfg.port or None, env=extra)
+            self.services.start()
+            for i in range(cfg.workers):
+                env = {k: v for k, v in self.services.worker_env(i).items()
+                       if k.startswith(_CLUSTER_VARS)}
+                proc = ctx.Process(target=main, args=(i, env, payload, messages, parent_pid),
+                                   name=f"bpstrain-worker-{i}")
+                proc.start()
+                self.procs.append(proc)
+            results = self._supervise(messages, sink)
+        finally:
+            sink.close()
+            self.stop()
+            shutil.rmtree(folder, ignore_errors=True)
+            if messages is not None:
+                messages.close()
+                messages.cancel_join_thread()  # never block on a queue nobody reads any more
+        rank0 = results[0]
+        unpack_weights(model, rank0["weights"])
+        for cb, state in zip(self.trainer.callbacks, rank0["callbacks"]):
+            cb.load_state_dict(state)
+        self.trainer.history = History.from_dict(rank0["history"])
+        return self.trainer.history
+
+    def _supervise(self, messages, sink) -> Dict[int, Dict[str, Any]]:
+        done: Dict[int, Dict[str, Any]] = {}
+        while len(done) < len(self.procs):
+            try:
+                self._handle(messages.get(timeout=_POLL_S), messages, sink, done)
+            except queue_mod.Empty:
+                self._check_alive(messages, sink, done)
+        return done
+
+    def _handle(self, msg, messages, sink, done) -> None:
+        if msg[0] == "progress":
+            getattr(sink, msg[1])(*msg[2], **msg[3])
+        elif msg[0] == "print":
+            sink.write(f"[worker {msg[1]}] {msg[3]}", stderr=msg[2] == "stderr")
+        elif msg[0] == "done":
+            done[msg[1]] = msg[2]
+        elif msg[0] == "error":
+            sink.close()
+            raise self._root_cause(msg, messages)
+
+    def _check_alive(self, messages, sink, done) -> None:
+        for service in self.services.children:
+            # Exit code 0 is the normal end once every worker has left the engine; a
+            # worker may still be sending its results then.
+            if service.returncode not in (None, 0):
+                raise PeerError(
+                    f"{service.label} of the local cluster exited with code "
+                    f"{service.returncode}; its output above (prefixed [{service.label}]) says "
+                    f"why. Received: returncode={service.returncode}")
+        for rank, proc in enumerate(self.procs):
+            if rank in done or proc.exitcode is None:
+                continue
+            try:  # what it sent just before exiting may still be in the pipe
+                while rank not in done:
+                    self._handle(messages.get(timeout=_POLL_S), messages, sink, done)
+            except queue_mod.Empty:
+                raise PeerError(
+                    f"worker {rank} exited with code {proc.exitcode} without reporting an "
+                    "error: killed, crashed in native code, or failed while starting (its "
+                    "output above says why; a script must call fit() under "
+                    "`if __name__ == \"__main__\":`). Received: "
+                    f"exitcode={proc.exitcode}") from None
+
+    def _root_cause(self, first, messages) -> BaseException:
+        """The most telling failure: a peer/timeout error is often only a consequence.
+
+        Waits briefly for a worker's own (non-peer) error, and meanwhile looks for a
+        worker that died without reporting anything (killed, crashed in native code).
+        """
+        errors = [first]
+        secondary = (PeerError.__name__, BpsTimeoutError.__name__, ShutdownError.__name__)
+        deadline = time.monotonic() + _ROOT_CAUSE_WAIT_S
+        silent = None
+        while all(e[2] in secondary for e in errors) and time.monotonic() < deadline:
+            silent = self._silent_death({e[1] for e in errors})
+            if silent is not None:
+                break
+            try:
+                msg = messages.get(timeout=_POLL_S)
+            except queue_mod.Empty:
+                continue
+            if msg[0] == "error":
+                errors.append(msg)
+        chosen = next((e for e in errors if e[2] not in secondary), None)
+        if chosen is not None:
+            return _rebuild(*chosen[1:])
+        if silent is not None:
+            rank, code = silent
+            return PeerError(
+                f"worker {rank} exited with code {code} without reporting an error (killed, or "
+                f"crashed in native code); worker {first[1]} then failed with {first[2]}: "
+                f"{first[3]}. Received: exitcode={code}")
+        return _rebuild(*first[1:])
+
+    def _silent_death(self, reported) -> Optional[tuple]:
+        """(rank, exit code) of a worker that exited non-zero without a message, or None."""
+        for rank, proc in enumerate(self.procs):
+            if rank not in reported and proc.exitcode not in (None, 0):
+                return rank, proc.exitcode
+        return None
+
+    def stop(self) -> None:
+        """Stops every worker (and its process group) and the services; idempotent."""
+        from bpstrain.launch._procs import shield_signals
+
+        with shield_signals():  # a second Ctrl-C must not leave children behind
+            alive = [p for p in self.procs if p.is_alive()]
+            for proc in alive:
+                _signal_group(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + _GRACE_S
+            for proc in alive:
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if proc.is_alive():
+                    _signal_group(proc.pid, signal.SIGKILL)
+                    proc.join(5.0)
+            for proc in self.procs:
+                proc.join(0)
+                if proc.exitcode is not None:
+                    proc.close()  # releases its sentinel fd now, not at garbage collection
+            if self.services is not None:
+                self.services.stop()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # the worker called setsid(): group id == pid
+    except (ProcessLookupError, PermissionError):
+        try:  # it had not reached setsid() yet
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _rebuild(rank: int, type_name: str, message: str, tb_text: str,
+             pickled: Optional[bytes]) -> BaseException:
+    """The worker's exception, of its own type when possible, with its traceback attached."""
+    note = f"raised in worker {rank} of the local cluster; its traceback is shown above"
+    exc: Optional[BaseException] = None
+    if pickled is not None:
+        try:
+            exc = pickle.loads(pickled)
+        except Exception:  # noqa: BLE001
+            exc = None
+    if exc is None or isinstance(exc, KeyboardInterrupt):
+        exc = WorkerError(f"worker {rank} raised {type_name}: {message}\n\n{tb_text}", rank,
+                          tb_text)
+    exc.__cause__ = RemoteTraceback(f"\n\nTraceback of worker {rank}:\n{tb_text}")
+    exc.rank, exc.remote_traceback = rank, tb_text
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    return exc

@@ -1,0 +1,222 @@
+"""The torch training loop of one rank: epochs, steps, validation, resume.
+
+The loss comes from ``module.training_step(batch, batch_idx)`` when the module has
+one (a tensor, or a dict with ``"loss"`` and other scalars to log), else from
+``trainer.loss`` applied to ``module(x)`` and ``y`` of an ``(x, y)`` batch.
+Validation uses ``validation_step`` the same way (metrics get a ``val_`` prefix).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Dict
+
+import torch
+
+from bpstrain.trainer import _data, _optim
+from bpstrain.trainer._dispatch import fire
+from bpstrain.trainer.callbacks.checkpoint import find_last_checkpoint, read_checkpoint
+from bpstrain.trainer.history import History
+
+Sums = Dict[str, list]
+
+
+def pick_device(name: str, local_rank: int) -> torch.device:
+    """``trainer.device`` -> a torch device; one GPU per local rank."""
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device=cuda but torch sees no CUDA device. "
+                               "Received: trainer.device='cuda'")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _add(sums: Sums, key: str, total: float, count: float) -> None:
+    entry = sums.setdefault(key, [0.0, 0.0])
+    entry[0] += total
+    entry[1] += count
+
+
+def _step_outputs(result: Any, what: str) -> Dict[str, Any]:
+    """Normalizes a training_step/validation_step result to ``{"loss": tensor, ...}``."""
+    if isinstance(result, torch.Tensor):
+        return {"loss": result}
+    if isinstance(result, dict) and "loss" in result:
+        return dict(result)
+    raise TypeError(f"{what} must return a loss tensor or a dict with a 'loss' key. "
+                    f"Received: {type(result).__name__}")
+
+
+class _Steps:
+    """Computes outputs of one batch for the module's style (custom or built-in loss)."""
+
+    def __init__(self, module, loss_name: str):
+        self.module = module
+        self.custom = callable(getattr(module, "training_step", None))
+        self.loss_fn = None if self.custom else _optim.build_loss(loss_name)
+        self.correct = None if self.custom else _optim.accuracy_fn(loss_name)
+
+    def __call__(self, batch, batch_idx: int, validation: bool) -> Dict[str, Any]:
+        if self.custom:
+            step = getattr(self.module, "validation_step", None) if validation else None
+            step = step if callable(step) else self.module.training_step
+            return _step_outputs(step(batch, batch_idx), step.__name__)
+        if not (isinstance(batch, (list, tuple)) and len(batch) >= 2):
+            raise TypeError("With trainer.loss the batches must be (x, y) pairs; for other "
+                            "batches give the module a training_step(batch, batch_idx). "
+                            f"Received: batch of type {type(batch).__name__}")
+        output = self.module(batch[0])
+        outputs = {"loss": self.loss_fn(output, batch[1])}
+        if self.correct is not None:
+            correct = self.correct(output.detach(), batch[1])
+            if not math.isnan(correct):
+                outputs["accuracy"] = correct / max(_data.batch_size_of(batch), 1)
+        return outputs
+
+
+def _accumulate(sums: Sums, outputs: Dict[str, Any], n: int, prefix: str = "") -> Dict[str, float]:
+    logged = {}
+    for key, value in outputs.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = float(value.detach())
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            _add(sums, prefix + key, float(value) * n, n)
+            logged[key] = float(value)
+    return logged
+
+
+def _means(sums: Sums) -> Dict[str, float]:
+    return {k: (s / n if n else math.nan) for k, (s, n) in sums.items()}
+
+
+def _restore(trainer, module, optimizer) -> None:
+    """Loads the checkpoint ``trainer.resume`` names; rank 0 reads it, everyone gets it.
+
+    Reading on rank 0 only makes every rank take the same decision (resume or start
+    fresh) and works when the other ranks cannot see ``out_dir``.
+    """
+    resume = trainer.config.trainer.resume
+    if not resume:
+        return
+    loaded = None
+    if trainer.rank == 0:
+        path = find_last_checkpoint(trainer.out_dir) if resume == "auto" else resume
+        loaded = (str(path), read_checkpoint(path)) if path is not None else None
+    loaded = trainer.comm.broadcast_object(loaded, "trainer.resume")
+    if loaded is None:
+        trainer.print(f"trainer.resume=auto: no checkpoint in {trainer.out_dir}; starting fresh")
+        return
+    path, ckpt = loaded
+    module.load_state_dict(ckpt["model"])
+    if ckpt.get("optimizer") is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    trainer.resumed = True
+    trainer.current_epoch = int(ckpt["epoch"]) + 1
+    trainer.global_step = int(ckpt.get("global_step", 0))
+    trainer.history = History.from_dict(ckpt.get("history", {}))
+    states = ckpt.get("callbacks", {})
+    for cb in trainer.callbacks:
+        if cb.state_key in states:
+            cb.load_state_dict(states[cb.state_key])
+    if trainer.rank == 0 and ckpt.get("rng") is not None:
+        torch.set_rng_state(ckpt["rng"])
+    fire(trainer.callbacks, "load_checkpoint", trainer, module, checkpoint=ckpt)
+    trainer.print(f"resumed from {path} (epoch {trainer.current_epoch})")
+
+
+def _build_optimizer(trainer, module):
+    configure = getattr(module, "configure_optimizers", None)
+    if callable(configure):
+        optimizer = configure()
+        if isinstance(optimizer, (list, tuple)) and len(optimizer) == 1:
+            optimizer = optimizer[0]
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("configure_optimizers() must return one torch optimizer. "
+                            f"Received: {type(optimizer).__name__}")
+        return optimizer
+    return _optim.build_optimizer(trainer.config.optimizer, module.parameters(), trainer.size)
+
+
+def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
+    """Trains ``module`` on this rank's shard of ``data``; returns the history."""
+    cfg, comm = trainer.config, trainer.comm
+    device = pick_device(cfg.trainer.device, comm.local_rank)
+    if device.type == "cpu" and comm.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.local_size))
+    torch.manual_seed(int(cfg.trainer.seed) + trainer.rank)  # dropout etc. differ per rank
+    module.to(device)
+    train_dl = _data.train_loader(data, cfg, trainer.rank, trainer.size)
+    val_dl = _data.val_loader(val_data, cfg, trainer.rank, trainer.size)
+    passes = int(cfg.optimizer.backward_passes_per_step)
+    steps = min(len(train_dl), cfg.trainer.steps or len(train_dl))
+    trainer.num_training_batches = max(steps - steps % passes, min(steps, passes))
+    optimizer = _build_optimizer(trainer, module)
+    trainer.module, trainer.optimizer = module, optimizer
+    _restore(trainer, module, optimizer)
+    trainer.optimizer = comm.wrap_optimizer(optimizer, module, passes)
+    comm.broadcast_state(module, optimizer)
+    run = _Steps(module, cfg.trainer.loss)
+    callbacks = trainer.callbacks
+
+    fire(callbacks, "fit_start", trainer, module, logs={})
+    fire(callbacks, "train_start", trainer, module)
+    for epoch in range(trainer.current_epoch, trainer.max_epochs):
+        trainer.current_epoch, trainer.logs = epoch, {}
+        trainer.train_sums, trainer.val_sums = {}, None
+        train_dl.sampler.set_epoch(epoch)
+        fire(callbacks, "train_epoch_start", trainer, module, epoch=epoch, logs=trainer.logs)
+        module.train()
+        trainer.optimizer.zero_grad()
+        for batch_idx, batch in enumerate(train_dl):
+            if batch_idx >= trainer.num_training_batches:
+                break
+            batch = _data.to_device(batch, device)
+            trainer.last_batch_size = n = _data.batch_size_of(batch)
+            fire(callbacks, "train_batch_start", trainer, module, batch=batch, batch_idx=batch_idx,
+                 logs={})
+            outputs = run(batch, batch_idx, validation=False)
+            (outputs["loss"] / passes).backward()
+            if (batch_idx + 1) % passes == 0:
+                trainer.optimizer.step()
+                trainer.optimizer.zero_grad()
+                trainer.global_step += 1
+            logged = _accumulate(trainer.train_sums, outputs, n)
+            trainer.progress_step = epoch * trainer.num_training_batches + batch_idx + 1
+            fire(callbacks, "train_batch_end", trainer, module, outputs=logged, batch=batch,
+                 batch_idx=batch_idx, logs=dict(logged, batch=batch_idx, size=n))
+        trainer.logs.update(_means(trainer.train_sums))
+        every = int(cfg.trainer.val_every)
+        if val_dl is not None and every and (epoch + 1) % every == 0:
+            _validate(trainer, module, val_dl, run, device)
+        fire(callbacks, "train_epoch_end", trainer, module, epoch=epoch, logs=trainer.logs)
+        trainer.history.append({"epoch": epoch, **trainer.logs})
+        trainer.epochs_completed += 1
+        if trainer.should_stop:
+            break
+    fire(callbacks, "train_end", trainer, module, logs=trainer.history.last)
+    fire(callbacks, "fit_end", trainer, module)
+    return trainer.history
+
+
+@torch.no_grad()
+def _validate(trainer, module, loader, run: _Steps, device) -> None:
+    callbacks = trainer.callbacks
+    module.eval()
+    trainer.val_sums = {}
+    # Every rank reports the same keys even with an empty shard (the sums are reduced).
+    for key in ("loss",) + (("accuracy",) if run.correct is not None else ()):
+        trainer.val_sums["val_" + key] = [0.0, 0.0]
+    fire(callbacks, "validation_start", trainer, module, logs=trainer.logs)
+    limit = trainer.config.trainer.val_steps
+    for batch_idx, batch in enumerate(loader):
+        if limit is not None and batch_idx >= limit:
+            break
+        batch = _data.to_device(batch, device)
+        outputs = run(batch, batch_idx, validation=True)
+        logged = _accumulate(trainer.val_sums, outputs, _data.batch_size_of(batch), "val_")
+        fire(callbacks, "validation_batch_end", trainer, module, outputs=logged, batch=batch,
+             batch_idx=batch_idx)
+    trainer.logs.update(_means(trainer.val_sums))
+    fire(callbacks, "validation_end", trainer, module, logs=trainer.logs)
+    module.train()

@@ -1,0 +1,149 @@
+"""Small models, data and callbacks shared by the Trainer tests (importable by workers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import torch
+from torch import nn
+
+from bpstrain.trainer import Callback
+
+
+def blobs(n: int = 256, seed: int = 0):
+    """A linearly separable 4-class problem: (x float32 [n, 8], y int64 [n])."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 4, n)
+    centers = rng.normal(0, 3, (4, 8))
+    x = centers[y] + rng.normal(0, 0.5, (n, 8))
+    return x.astype(np.float32), y.astype(np.int64)
+
+
+def tiny_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def base_config(tmp_path, **extra):
+    cfg = {"trainer.epochs": 2, "trainer.batch_size": 32, "trainer.out_dir": str(tmp_path),
+           "trainer.progress": False, "optimizer.name": "adam", "optimizer.lr": 0.01}
+    cfg.update(extra)
+    return cfg
+
+
+class StepModule(nn.Module):
+    """A module with Lightning-style training_step/validation_step."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_net()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        return {"loss": nn.functional.cross_entropy(out, y),
+                "acc": (out.argmax(1) == y).float().mean()}
+
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
+
+class FailingModule(StepModule):
+    """Raises ValueError in training_step on rank ``fail_rank`` at ``fail_batch``."""
+
+    def __init__(self, fail_rank: int = 1, fail_batch: int = 2):
+        super().__init__()
+        self.fail_rank, self.fail_batch = fail_rank, fail_batch
+
+    def training_step(self, batch, batch_idx):
+        from bpstrain import engine
+
+        if engine.rank() == self.fail_rank and batch_idx == self.fail_batch:
+            print(f"about to fail on rank {self.fail_rank}")
+            raise ValueError(f"boom on rank {self.fail_rank} at batch {batch_idx}")
+        return super().training_step(batch, batch_idx)
+
+
+class InterruptParent(Callback):
+    """On rank 0, sends SIGINT to the parent once (what Ctrl-C in a notebook does)."""
+
+    def __init__(self, at_batch: int = 2):
+        self.at_batch = at_batch
+        self.sent = False
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.is_global_zero and not self.sent and batch_idx == self.at_batch:
+            self.sent = True
+            os.kill(os.getppid(), signal.SIGINT)
+
+
+class ExitWorker(Callback):
+    """Rank ``rank`` exits abruptly (as if killed) at its first batch."""
+
+    def __init__(self, rank: int = 1):
+        self.rank = rank
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.rank == self.rank:
+            os._exit(3)
+
+
+class Recorder(Callback):
+    """Records every hook call it gets (both styles) and keeps a counter as state."""
+
+    def __init__(self):
+        self.calls = []
+        self.epochs_seen = 0
+
+    def on_fit_start(self, trainer, module):
+        self.calls.append("on_fit_start")
+
+    def on_train_begin(self, logs=None):
+        self.calls.append("on_train_begin")
+
+    def on_train_epoch_start(self, trainer, module):
+        self.calls.append("on_train_epoch_start")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.calls.append(f"on_epoch_begin:{epoch}")
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == 0:
+            self.calls.append(f"on_train_batch_end:{sorted(outputs)}")
+
+    def on_validation_end(self, trainer, module):
+        self.calls.append("on_validation_end")
+
+    def on_train_epoch_end(self, trainer, module):
+        self.calls.append("on_train_epoch_end")
+        self.epochs_seen += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.calls.append(f"on_epoch_end:{epoch}:{'val_loss' in logs}")
+
+    def on_train_end(self, logs=None):
+        self.calls.append("on_train_end")
+
+    def on_fit_end(self, trainer, module):
+        self.calls.append("on_fit_end")
+
+    def state_dict(self):
+        return {"epochs_seen": self.epochs_seen}
+
+    def load_state_dict(self, state):
+        self.epochs_seen = state["epochs_seen"]
+
+
+class KerasBatchEnd(Callback):
+    """Keras-style on_train_batch_end(batch, logs)."""
+
+    def __init__(self):
+        self.batches = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append((batch, sorted(logs)))

@@ -1,0 +1,35 @@
+"""Trainer.fit inside ``python -m bpstrain.launch`` (DMLC_ROLE=worker): one rank of the job."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(120)
+def test_fit_runs_as_one_rank_of_a_launched_job(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bpstrain.launch", "--workers", "2", "--servers", "1", "--",
+         sys.executable, str(ROOT / "tests" / "trainer" / "scripts" / "fit_in_job.py"),
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=110, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
+               if "RESULT " in line]
+    assert sorted(r["rank"] for r in results) == [0, 1] and {r["size"] for r in results} == {2}
+    # Metrics are averaged over ranks, so every rank reports the same numbers (timings are
+    # each rank's own).
+    local = ("samples_per_s", "epoch_time")
+    same = [[{k: v for k, v in last.items() if k not in local} for last in r["last"]]
+            for r in results]
+    assert same[0] == same[1] and len(same[0]) == 2
+    assert results[0]["last"][0]["val_accuracy"] > 0.8
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()  # written by rank 0 only
+    # 256 samples / 2 ranks / 32 per batch = 4 batches per epoch; 2 passes per step.
+    assert [r["steps"] for r in results] == [[8, 2], [8, 2]]

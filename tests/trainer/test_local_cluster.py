@@ -1,0 +1,154 @@
+"""fit with a 2-worker local cluster from a plain parent process (what a notebook does).
+
+Workers are ``spawn``-ed children; afterwards none may be left, and the scheduler's
+port must be free. Python's own multiprocessing resource tracker (one helper per
+interpreter, started by any spawn) is not a worker and is not counted.
+"""
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from bpstrain.launch import free_port
+from bpstrain.trainer import RemoteTraceback, Trainer
+from bpstrain.errors import PeerError
+from tests.trainer.helpers import (ExitWorker, FailingModule, InterruptParent, Recorder,
+                                   base_config, blobs, tiny_net)
+
+
+def _children():
+    kids = psutil.Process().children(recursive=True)
+    return [p for p in kids if "resource_tracker" not in " ".join(_cmdline(p))]
+
+
+def _cmdline(proc):
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _port_is_free(port):
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _cluster_config(tmp_path, **extra):
+    return base_config(tmp_path, **{"cluster.workers": 2, "cluster.port": free_port(), **extra})
+
+
+@pytest.mark.timeout(120)
+def test_two_worker_fit_returns_history_weights_and_timeline(tmp_path, capsys):
+    x, y = blobs(256)
+    model = tiny_net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    recorder = Recorder()
+    trainer = Trainer(_cluster_config(tmp_path, **{"trainer.epochs": 3, "trainer.timeline": True,
+                                                   "trainer.progress": True,
+                                                   "trainer.checkpoint_every": 1}),
+                      callbacks=[recorder])
+    history = trainer.fit(model, (x, y), val_data=(x, y))
+    out, err = capsys.readouterr()
+    assert err.count("  0%|") == 1 and "12/12" in err  # one bar (rank 0's), 3 epochs x 4 steps
+    assert out.count("epoch 3/3: loss=") == 1  # metrics streamed once per epoch, by rank 0
+
+    assert len(history) == 3 and history.last["val_accuracy"] > 0.9
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():  # the weights that came back are the trained ones
+        accuracy = (model(torch.from_numpy(x)).argmax(1).numpy() == y).mean()
+    assert accuracy == pytest.approx(history.last["val_accuracy"], abs=1e-6)
+    assert recorder.epochs_seen == 3  # rank 0's callback state came back too
+    assert _children() == []
+
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "push_pull"]
+    for rank in (0, 1):
+        mine = [e for e in events if e["pid"] == rank]
+        names = {e["args"]["tensor"] for e in mine}
+        assert {n.rsplit(".grad.", 1)[-1] for n in names if ".grad." in n} == {
+            "0.weight", "0.bias", "2.weight", "2.bias"}
+        assert all(e["dur"] >= 0 and e["ts"] > 0 for e in mine)
+        assert len(mine) >= 4 * 3 * 4  # 4 tensors x 4 steps x 3 epochs
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"} == {
+        "worker 0", "worker 1"}
+
+    # Re-running in the same process works (a new cluster, new port), here resuming the
+    # checkpoint of the first run for one more epoch.
+    again = Trainer(_cluster_config(tmp_path, **{"trainer.epochs": 4, "trainer.resume": "auto"}))
+    history = again.fit(tiny_net(), (x, y), val_data=(x, y))
+    assert [e["epoch"] for e in history.epochs] == [0, 1, 2, 3] and _children() == []
+
+
+@pytest.mark.timeout(120)
+def test_worker_exception_is_reraised_with_its_traceback(tmp_path, capsys):
+    x, y = blobs(256)
+    cfg = _cluster_config(tmp_path)
+    with pytest.raises(ValueError, match="boom on rank 1 at batch 2") as info:
+        Trainer(cfg).fit(FailingModule(fail_rank=1, fail_batch=2), (x, y))
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert "Traceback of worker 1" in str(cause) and "in training_step" in str(cause)
+    assert info.value.rank == 1
+    assert "[worker 1] about to fail on rank 1" in capsys.readouterr().out  # prints forwarded
+    assert _children() == []
+    assert _port_is_free(cfg["cluster.port"])
+
+
+@pytest.mark.timeout(120)
+def test_worker_that_dies_silently_is_reported(tmp_path):
+    x, y = blobs(256)
+    with pytest.raises(PeerError, match="worker 1"):
+        Trainer(_cluster_config(tmp_path), callbacks=[ExitWorker(rank=1)]).fit(tiny_net(), (x, y))
+    assert _children() == []
+
+
+@pytest.mark.timeout(120)
+def test_keyboard_interrupt_stops_every_child_and_frees_the_port(tmp_path):
+    x, y = blobs(2048)
+    cfg = _cluster_config(tmp_path, **{"trainer.epochs": 50})
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg, callbacks=[InterruptParent(at_batch=2)]).fit(tiny_net(), (x, y))
+    assert _children() == []
+    assert _port_is_free(cfg["cluster.port"])
+    # The "kernel" is still usable: the same call runs again.
+    history = Trainer({**cfg, "trainer.epochs": 1}).fit(tiny_net(), (x[:256], y[:256]))
+    assert len(history) == 1 and _children() == []
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_data_fails_early_with_a_hint(tmp_path):
+    import threading
+
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="must be picklable"):
+        Trainer(_cluster_config(tmp_path)).fit(tiny_net(), lambda: lock)
+    assert _children() == []
+
+
+@pytest.mark.timeout(90)
+def test_script_without_main_guard_fails_fast_with_a_hint(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from bpstrain.trainer import Trainer\n"
+        "from tests.trainer.helpers import base_config, blobs, tiny_net\n"
+        f"Trainer(base_config({str(tmp_path)!r}, **{{'cluster.workers': 2}})).fit(\n"
+        "    tiny_net(), blobs(64))\n")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=80, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode != 0
+    assert 'if __name__ == "__main__":' in proc.stderr
+    assert "PeerError" in proc.stderr or "RuntimeError" in proc.stderr
