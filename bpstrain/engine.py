@@ -357,6 +357,21 @@ def barrier(timeout: Optional[float] = None) -> None:
     synchronize(handle, timeout)
 
 
+def set_trace(on: bool) -> None:
+    """Starts/stops recording the push and pull phase of every operation (timeline)."""
+    state = _require()
+    if state.worker is not None:
+        state.worker.set_trace(bool(on))
+
+
+def drain_trace() -> list:
+    """Phase records of operations finished since the last call: dicts with ``name``,
+    ``op``, ``bytes`` and wall-clock microseconds ``enqueued_us``, ``push_begin_us``,
+    ``push_end_us``, ``pull_begin_us``, ``done_us``. Empty when standalone."""
+    state = _require()
+    return state.worker.drain_trace() if state.worker is not None else []
+
+
 def stats() -> Dict[str, int]:
     """Bytes pushed/pulled and partitions completed by this worker so far."""
     state = _require()

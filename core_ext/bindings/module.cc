@@ -234,5 +234,26 @@ PYBIND11_MODULE(_core, m) {
              d["partitions"] = s.partitions;
              return d;
            })
+      .def("set_trace", &Worker::SetTrace, py::arg("on"),
+           "Records push/pull phase times of every finished operation while on.")
+      .def("drain_trace",
+           [](Worker& w) {
+             py::list out;
+             for (const TraceRecord& r : w.DrainTrace()) {
+               py::dict d;
+               d["name"] = r.name;
+               d["op"] = r.op == 2 ? "broadcast" : "push_pull";
+               d["version"] = r.version;
+               d["bytes"] = r.bytes;
+               d["enqueued_us"] = r.enqueued_us;
+               d["push_begin_us"] = r.push_begin_us;
+               d["push_end_us"] = r.push_end_us;
+               d["pull_begin_us"] = r.pull_begin_us;
+               d["done_us"] = r.done_us;
+               out.append(d);
+             }
+             return out;
+           },
+           "Returns and forgets the trace records collected so far.")
       .def("shutdown", &Worker::Shutdown, py::call_guard<py::gil_scoped_release>());
 }

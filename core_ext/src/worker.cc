@@ -18,7 +18,17 @@ struct Worker::Handle {
   bool done = false;
   Error::Kind kind = Error::kGeneric;
   std::string error;
+  int64_t bytes = 0;
+  int64_t enqueued_us = 0, push_begin_us = 0, push_end_us = 0, pull_begin_us = 0;
+  int sent = 0;
 };
+
+namespace {
+int64_t WallMicros() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::system_clock::now().time_since_epoch()).count();
+}
+}  // namespace
 
 struct Worker::Tensor {
   std::string name;
@@ -181,6 +191,7 @@ int64_t Worker::Enqueue(const OpRequest& req) {
   h->id = next_handle_++;
   h->req = req;
   h->version = t.next_version++;
+  if (trace_) h->enqueued_us = WallMicros();
   handles_[h->id] = h;
   if (t.declared) ScheduleLocked(h, t);
   else t.waiting.push_back(h);
@@ -335,6 +346,7 @@ void Worker::SenderLoop(DataConn* c) {
       if (t.handle->done) continue;  // its op already failed
       bytes_in_flight_ += t.len;
       in_flight_[{t.key, t.version}] = t;
+      if (trace_ && !t.handle->push_begin_us) t.handle->push_begin_us = WallMicros();
     }
     const OpRequest& req = t.handle->req;
     const bool bcast = req.op == Op::kBroadcast;
@@ -361,6 +373,8 @@ void Worker::SenderLoop(DataConn* c) {
     std::lock_guard<std::mutex> lk(mu_);
     stats_.bytes_pushed += send_body ? t.len : 0;
     bytes_in_flight_ -= t.len;
+    t.handle->bytes += t.len;
+    if (trace_ && ++t.handle->sent == t.handle->total_parts) t.handle->push_end_us = WallMicros();
     send_cv_.notify_all();
   }
 }
@@ -384,6 +398,7 @@ void Worker::ReceiverLoop(DataConn* c) {
         t = it->second;
         in_flight_.erase(it);
         discard = t.handle->done;
+        if (trace_ && !t.handle->pull_begin_us) t.handle->pull_begin_us = WallMicros();
       }
       if (ok && h.body_len != static_cast<uint64_t>(t.len))
         throw FrameError("reply of " + std::to_string(h.body_len) + " bytes for a partition of " +
@@ -415,6 +430,15 @@ void Worker::ReceiverLoop(DataConn* c) {
 void Worker::CompletePartLocked(const std::shared_ptr<Handle>& h, int64_t) {
   if (--h->remaining <= 0 && !h->done) {
     h->done = true;
+    if (trace_ && h->enqueued_us && !h->barrier) {
+      // A reply can overtake the sender's bookkeeping of its last push (the push is on
+      // the wire before the sender re-takes the lock): then the push ended by the time
+      // the first reply arrived.
+      int64_t push_end = h->push_end_us ? h->push_end_us : h->pull_begin_us;
+      trace_records_.push_back(TraceRecord{h->req.name, static_cast<int>(h->req.op), h->version, h->bytes,
+                                           h->enqueued_us, h->push_begin_us, push_end,
+                                           h->pull_begin_us, WallMicros()});
+    }
     cv_.notify_all();
   }
 }
@@ -485,6 +509,18 @@ std::string Worker::Describe(int64_t id) {
   return what + " of '" + h.req.name + "' round " + std::to_string(h.version) + ": " +
          std::to_string(h.remaining) + " of " + std::to_string(h.total_parts) +
          " partitions still waiting for other ranks or servers";
+}
+
+void Worker::SetTrace(bool on) {
+  std::lock_guard<std::mutex> lk(mu_);
+  trace_ = on;
+}
+
+std::vector<TraceRecord> Worker::DrainTrace() {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<TraceRecord> out;
+  out.swap(trace_records_);
+  return out;
 }
 
 WorkerStats Worker::stats() {

@@ -67,6 +67,17 @@ struct OpRequest {
   int participants = 0;         // ranks taking part; 0 = all (hierarchical slices: hosts)
 };
 
+// Wall-clock microseconds (system_clock) of one finished operation's phases, recorded
+// when tracing is on: the push phase spans the first to the last partition leaving this
+// worker, the pull phase the first to the last reduced partition coming back.
+struct TraceRecord {
+  std::string name;
+  int op;
+  uint64_t version;
+  int64_t bytes;
+  int64_t enqueued_us, push_begin_us, push_end_us, pull_begin_us, done_us;
+};
+
 struct WorkerStats {
   int64_t bytes_pushed = 0;
   int64_t bytes_pulled = 0;
@@ -96,6 +107,8 @@ class Worker {
   // Describes what a handle still waits for (for timeout messages).
   std::string Describe(int64_t handle);
   WorkerStats stats();
+  void SetTrace(bool on);
+  std::vector<TraceRecord> DrainTrace();
   void Shutdown();
 
  private:
@@ -169,6 +182,8 @@ class Worker {
   uint64_t next_seq_ = 0;
   WorkerStats stats_;
   std::unique_ptr<LocalGroup> group_;  // hierarchical mode only
+  bool trace_ = false;
+  std::vector<TraceRecord> trace_records_;
 };
 
 }  // namespace bps

@@ -81,6 +81,16 @@ def test_two_worker_fit_returns_history_weights_and_timeline(tmp_path, capsys):
         assert len(mine) >= 4 * 3 * 4  # 4 tensors x 4 steps x 3 epochs
     assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"} == {
         "worker 0", "worker 1"}
+    # The engine's own phases: a push and a pull span per tensor and round, push first.
+    for phase in ("push", "pull"):
+        spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == phase]
+        assert len(spans) >= 2 * 4 * 3 * 4, phase
+    pushes = {(e["pid"], e["args"]["tensor"], e["args"]["round"]): e for e in trace["traceEvents"]
+              if e.get("cat") == "push"}
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "pull":
+            push = pushes[(e["pid"], e["args"]["tensor"], e["args"]["round"])]
+            assert push["ts"] <= e["ts"] + e["dur"]
 
     # Re-running in the same process works (a new cluster, new port), here resuming the
     # checkpoint of the first run for one more epoch.

@@ -2,7 +2,9 @@
 
 While fitting, the engine's ``enqueue`` / ``poll`` / ``synchronize`` are wrapped (in
 this process only), so every operation any adapter issues is recorded from the
-moment it is queued until the worker sees it complete. Each rank writes
+moment it is queued until the worker sees it complete; the engine itself records the
+push phase (first to last partition sent) and the pull phase (first to last reduced
+partition received) of each tensor, which appear as ``push <name>`` / ``pull <name>``. Each rank writes
 ``<dir>/timeline.rank<R>.json``; rank 0 then merges the files it can see into one
 trace (one process row per worker, one thread row per tensor, plus a row of
 training steps). Open it in chrome://tracing or https://ui.perfetto.dev.
@@ -49,6 +51,8 @@ class EngineRecorder:
             return
         self._saved = {name: getattr(engine, name) for name in _WRAPPED}
         engine.enqueue, engine.poll, engine.synchronize = self._enqueue, self._poll, self._sync
+        if engine.is_initialized():
+            engine.set_trace(True)  # the engine adds push and pull phases per tensor
 
     def uninstall(self) -> None:
         """Puts the original engine functions back."""
@@ -57,6 +61,24 @@ class EngineRecorder:
         for name, fn in self._saved.items():
             setattr(engine, name, fn)
         self._saved = None
+        if engine.is_initialized():
+            self._collect_phases()
+            engine.set_trace(False)
+
+    def _collect_phases(self) -> None:
+        """Adds the engine's push and pull spans of every finished operation."""
+        for rec in engine.drain_trace():
+            tid = self._tid(rec["name"])
+            for phase, begin, end in (("push", rec["push_begin_us"], rec["push_end_us"]),
+                                      ("pull", rec["pull_begin_us"], rec["done_us"])):
+                if begin and end:
+                    with self._lock:
+                        self.events.append({
+                            "name": f"{phase} {rec['name']}", "cat": phase, "ph": "X",
+                            "ts": float(begin), "dur": float(max(end - begin, 0)),
+                            "pid": self.rank, "tid": tid,
+                            "args": {"tensor": rec["name"], "bytes": rec["bytes"],
+                                     "round": rec["version"]}})
 
     def _tid(self, name: str) -> int:
         if name not in self._tids:
@@ -103,6 +125,8 @@ class EngineRecorder:
 
     def trace(self) -> Dict[str, Any]:
         """This rank's Chrome trace (JSON object format)."""
+        if engine.is_initialized():
+            self._collect_phases()
         meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
                  "args": {"name": f"worker {self.rank}"}},
                 {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 0,
