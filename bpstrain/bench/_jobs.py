@@ -33,11 +33,17 @@ class BenchError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Which host runs what in a bpstrain job."""
+    """Which host runs what in a bpstrain job.
+
+    Each of ``worker_hosts`` runs ``local_size`` worker processes (BytePS's
+    ``BYTEPS_LOCAL_SIZE``); worker ``i * local_size + j`` is local rank ``j`` of
+    ``worker_hosts[i]`` and gets ``DMLC_WORKER_ID=i``.
+    """
 
     worker_hosts: Sequence[int]
     server_hosts: Sequence[int]
     scheduler_host: int
+    local_size: int = 1
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
@@ -96,8 +102,9 @@ def run_ps_job(hosts: Hosts, layout: Layout, worker_argv: Sequence[str], timeout
     Returns:
         The per-worker ``BENCH_RESULT`` payloads, in worker order.
     """
+    local = layout.local_size
     common = {
-        "DMLC_NUM_WORKER": str(len(layout.worker_hosts)),
+        "DMLC_NUM_WORKER": str(len(layout.worker_hosts) * local),
         "DMLC_NUM_SERVER": str(len(layout.server_hosts)),
         "DMLC_PS_ROOT_URI": hosts.addr(layout.scheduler_host),
         "DMLC_PS_ROOT_PORT": str(hosts.next_port()),
@@ -118,10 +125,11 @@ def run_ps_job(hosts: Hosts, layout: Layout, worker_argv: Sequence[str], timeout
         job.start(f"server{j}", host, role_argv, child_env({
             **common, "DMLC_ROLE": "server", "DMLC_NODE_HOST": hosts.addr(host)}))
     for i, host in enumerate(layout.worker_hosts):
-        job.start(f"worker{i}", host, list(worker_argv), child_env({
-            **common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i),
-            "BYTEPS_LOCAL_RANK": "0", "BYTEPS_LOCAL_SIZE": "1",
-            "DMLC_NODE_HOST": hosts.addr(host)}), worker=True)
+        for j in range(local):
+            job.start(f"worker{i * local + j}", host, list(worker_argv), child_env({
+                **common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i),
+                "BYTEPS_LOCAL_RANK": str(j), "BYTEPS_LOCAL_SIZE": str(local),
+                "DMLC_NODE_HOST": hosts.addr(host)}), worker=True)
     return job.collect(timeout_s)
 
 

@@ -8,6 +8,8 @@ Examples::
         --sizes 4M 64M 256M --rate-mbit 800     # emulated hosts, needs root
     python -m bpstrain.bench cluster --workers 2 --servers 2 --sizes 64M \
         --partition-bytes 1M 4M 16M             # partition-size sweep
+    python -m bpstrain.bench hierarchical --size 64M   # flat vs hierarchical, 2x2 workers
+    python -m bpstrain.bench scaling --workers 1 2 4 --sizes 4M 64M   # time vs n and size
 
 Progress goes to stderr; the table is printed last on stdout.
 """
@@ -18,13 +20,19 @@ import argparse
 import json
 import sys
 
-from bpstrain.bench import _jobs, cluster, emulated, loopback
+from bpstrain.bench import _jobs, cluster, emulated, hierarchical, loopback, scaling
 from bpstrain.bench.bounds import parse_size
 from bpstrain.bench.table import format_table
 
+# Emulated-cluster benchmarks with their own module: add_arguments() and run_args().
+_MODULES = {"hierarchical": hierarchical, "scaling": scaling}
+_HELP = {"hierarchical": "flat vs hierarchical push_pull, hosts x local ranks (root)",
+         "scaling": "bpstrain time vs workers and size on emulated hosts (root)"}
+
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (subcommands ``loopback``, the default, and ``cluster``)."""
+    """The argument parser (subcommands ``loopback``, the default, ``cluster``, and
+    the modules' ``hierarchical`` and ``scaling``)."""
     parser = argparse.ArgumentParser(
         prog="python -m bpstrain.bench",
         description="bpstrain push_pull vs torch.distributed gloo all_reduce.")
@@ -54,12 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--scheduler", choices=["own", "host0"], default="own",
                     help="scheduler on its own host or on worker host 0")
     cl.add_argument("--latency-ms", type=float, default=20.0, help="tbf queue latency")
-    cl.add_argument("--cleanup-stale", action="store_true",
-                    help="first delete namespaces left by crashed runs")
+
+    extra = [sub.add_parser(name, help=_HELP[name]) for name in _MODULES]
+    for p, module in zip(extra, _MODULES.values()):
+        module.add_arguments(p)
 
     for p in (lo, cl):
         p.add_argument("--no-gloo", dest="gloo", action="store_false",
                        help="skip the gloo baseline")
+    for p in (cl, *extra):
+        p.add_argument("--cleanup-stale", action="store_true",
+                       help="first delete namespaces left by crashed runs")
+    for p in (lo, cl, *extra):
         p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return parser
 
@@ -67,17 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Runs the chosen benchmark and prints its table; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("loopback", "cluster", "-h", "--help"):
+    if not argv or argv[0] not in ("loopback", "cluster", *_MODULES, "-h", "--help"):
         argv.insert(0, "loopback")
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "cluster":
+        if args.command != "loopback":
             ok, reason = emulated.available()
             if not ok:
-                print(f"bpstrain.bench cluster: {reason}.", file=sys.stderr)
+                print(f"bpstrain.bench {args.command}: {reason}.", file=sys.stderr)
                 return 2
             if args.cleanup_stale:
                 emulated.cleanup_stale()
+        if args.command in _MODULES:
+            title, text, records = _MODULES[args.command].run_args(args)
+        elif args.command == "cluster":
             rows = cluster.run(cluster.ClusterPlan(
                 workers=args.workers, servers=args.servers, sizes=args.sizes,
                 rate_mbit=args.rate_mbit, partitions=args.partition_bytes,
@@ -85,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 gloo=args.gloo, latency_ms=args.latency_ms))
             title = (f"emulated cluster, {args.rate_mbit:g} Mbit/s per host "
                      "(n workers, k servers; vs gloo = gloo time / time)")
+            text, records = format_table(rows), [r.as_dict() for r in rows]
         else:
             rows = loopback.run(loopback.LoopbackPlan(
                 size=args.size, workers=args.workers, servers=args.servers,
@@ -92,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 latency_iters=args.latency_iters, partition_bytes=args.partition_bytes,
                 gloo=args.gloo, timeout_s=args.timeout))
             title = "loopback (vs gloo = gloo time / time; >1 means faster than gloo)"
+            text, records = format_table(rows), [r.as_dict() for r in rows]
     except (_jobs.BenchError, ValueError) as exc:
         print(f"bpstrain.bench: {exc}", file=sys.stderr)
         return 1
@@ -101,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump([r.as_dict() for r in rows], handle, indent=2)
+            json.dump(records, handle, indent=2)
     print(title)
-    print(format_table(rows))
+    print(text)
     return 0

@@ -111,7 +111,13 @@ def format_table(rows: Sequence[Row]) -> str:
             "-" if r.bound_s is None else f"{r.bound_s / r.time_s:.2f}",
             "-" if r.gloo_time_s is None else f"{r.gloo_time_s / r.time_s:.2f}x",
         ))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADERS))]
+    return render(lines[0], lines[1:])
+
+
+def render(headers: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    """Aligns cells under ``headers``: first column left, the others right, a rule below."""
+    lines = [tuple(headers), *(tuple(line) for line in lines)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(headers))]
     text = ["  ".join(cell.rjust(w) if i else cell.ljust(w)
                       for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
             for line in lines]
