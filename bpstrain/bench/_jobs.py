@@ -78,14 +78,15 @@ def run_gloo(hosts: Hosts, worker_hosts: Sequence[int], cases: Sequence[_report.
 
 
 def run_bpstrain(hosts: Hosts, layout: Layout, cases: Sequence[_report.Case],
-                 timeout_s: float, partition_bytes: int | None = None) -> list[dict]:
+                 timeout_s: float, partition_bytes: int | None = None,
+                 extra_env: dict[str, str] | None = None) -> list[dict]:
     """Runs scheduler, servers and workers of one bpstrain push_pull benchmark.
 
     Returns:
         The per-worker ``BENCH_RESULT`` payloads.
     """
     worker_argv = [sys.executable, "-m", "bpstrain.bench._bps_worker", *_case_args(cases)]
-    extra = {}
+    extra = dict(extra_env or {})
     if partition_bytes:
         worker_argv += ["--partition-bytes", str(partition_bytes)]
         extra["BYTEPS_PARTITION_BYTES"] = str(partition_bytes)

@@ -2,7 +2,10 @@
 
 Links are not capped here, so there is no bandwidth bound; the table shows
 times, algbw and the ratio to gloo for a large tensor and a small one
-(round-trip latency).
+(round-trip latency). Two bpstrain rows: ``bpstrain`` is the flat path (every worker
+talks TCP to the servers), ``bpstrain-hier`` the hierarchical mode with every worker
+on this one host: they reduce through shared memory, and with a single host no byte
+needs to reach the servers (BytePS's single-machine behaviour).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class LoopbackPlan:
     latency_iters: int = 200
     partition_bytes: int | None = None
     gloo: bool = True
+    hierarchical: bool = True
     timeout_s: float = 300.0
 
     def cases(self) -> list[Case]:
@@ -55,6 +59,15 @@ def run(plan: LoopbackPlan, log=None) -> list[Row]:
     rows += [Row("bpstrain", plan.workers, plan.servers, nbytes, t,
                  partition_bytes=plan.partition_bytes)
              for nbytes, t in reduce_times(payloads).items()]
+    if plan.hierarchical and plan.workers > 1:
+        log(f"[bench] bpstrain push_pull, hierarchical, {plan.workers} workers on one host")
+        layout = _jobs.Layout(worker_hosts=[0], server_hosts=list(range(plan.servers)),
+                              scheduler_host=0, local_size=plan.workers)
+        payloads = _jobs.run_bpstrain(hosts, layout, cases, plan.timeout_s, plan.partition_bytes,
+                                      {"BPSTRAIN_HIERARCHICAL": "1"})
+        rows += [Row("bpstrain-hier", plan.workers, plan.servers, nbytes, t,
+                     partition_bytes=plan.partition_bytes)
+                 for nbytes, t in reduce_times(payloads).items()]
     attach_gloo(rows)
     rows.sort(key=lambda r: (-r.nbytes, r.system != "gloo"))
     return rows

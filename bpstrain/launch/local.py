@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import random
 import socket
 import sys
 import threading
@@ -34,9 +35,27 @@ _PER_PROCESS_VARS = ("DMLC_ROLE", "DMLC_WORKER_ID", "DMLC_SERVER_ID", "BYTEPS_LO
                      "BYTEPS_LOCAL_SIZE", "BPSTRAIN_LAUNCH_PARENT")
 
 
+_PORT_RANGE = (20000, 32000)  # below Linux's ephemeral range (32768-60999)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """Returns a TCP port on ``host`` that was free a moment ago."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+    """Returns a TCP port on ``host`` that was free a moment ago.
+
+    Ports come from below the kernel's ephemeral range: a port the OS hands out for
+    ``bind(0)`` can be taken a moment later as the local port of some outgoing
+    connection, and the scheduler would then fail to listen on it.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(*_PORT_RANGE)
+        with socket.socket(family) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family) as sock:  # everything we tried is busy: let the OS pick
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
