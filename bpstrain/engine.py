@@ -240,11 +240,14 @@ def enqueue(
     priority: int = 0,
     root: int = 0,
     dtype: Optional[str] = None,
+    participants: int = 0,
 ) -> int:
     """Low-level: queues one operation on ``array`` and returns its handle.
 
     ``dtype`` overrides the array's dtype for raw views (e.g. bfloat16 stored as
     uint16). ``out`` receives the result (it may be ``array`` itself).
+    ``participants`` is the number of ranks that take part in this name (0 = all);
+    the GPU hierarchical path uses one rank per host for each slice.
     """
     state = _require()
     array = np.asarray(array)
@@ -270,7 +273,8 @@ def enqueue(
     src, dst = array, out
     if array.dtype.name == "bfloat16":  # ml_dtypes arrays export no buffer format
         src, dst = array.view(np.uint16), out.view(np.uint16)
-    handle = state.worker.enqueue(name, dtype, list(array.shape), src, dst, op, root, priority)
+    handle = state.worker.enqueue(name, dtype, list(array.shape), src, dst, op, root, priority,
+                                  participants)
     state.ops[handle] = (name, array, out)
     return handle
 

@@ -197,8 +197,9 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "enqueue",
           [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
-             py::buffer input, py::buffer output, int op, int root, int priority) {
+             py::buffer input, py::buffer output, int op, int root, int priority, int participants) {
             OpRequest r;
+            r.participants = participants;
             r.name = name;
             r.dtype = ParseDType(dtype);
             r.shape = std::move(shape);
@@ -219,7 +220,7 @@ PYBIND11_MODULE(_core, m) {
             return w.Enqueue(r);
           },
           py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("input"), py::arg("output"),
-          py::arg("op"), py::arg("root") = 0, py::arg("priority") = 0)
+          py::arg("op"), py::arg("root") = 0, py::arg("priority") = 0, py::arg("participants") = 0)
       .def("enqueue_barrier", &Worker::EnqueueBarrier, py::call_guard<py::gil_scoped_release>())
       .def("poll", &Worker::Poll, py::arg("handle"))
       .def("wait", &Worker::WaitFor, py::arg("handle"), py::arg("seconds"),

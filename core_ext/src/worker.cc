@@ -170,6 +170,9 @@ int64_t Worker::Enqueue(const OpRequest& req) {
                                     "). Received: root_rank=" + std::to_string(req.root));
   for (int64_t d : req.shape)
     if (d < 0) throw Error(Error::kConfig, "negative dimension in shape " + ShapeString(req.shape));
+  if (req.participants < 0 || req.participants > size_)
+    throw Error(Error::kConfig, "participants must be in [0, " + std::to_string(size_) +
+                                    "]. Received: participants=" + std::to_string(req.participants));
   if (group_ && req.op != Op::kBroadcast && req.participants == 0) {
     // Hierarchical: the local group reduces on this host and pushes one slice per rank.
     std::shared_ptr<Handle> h;
