@@ -89,6 +89,7 @@ class GpuHierarchy:
     """
 
     def __init__(self, group=None, chunk_bytes: Optional[int] = None):
+        self._owns_group = group is None
         self.group = group if group is not None else init_local_group()
         self.local_size = dist.get_world_size(self.group)
         self.local_rank = dist.get_rank(self.group)
@@ -100,6 +101,17 @@ class GpuHierarchy:
         self.hosts = self.size // self.local_size
         self.chunk_bytes = int(chunk_bytes or engine.options()["partition_bytes"])
         self._pinned = {}
+
+    def close(self) -> None:
+        """Destroys the local process group if this object created it.
+
+        Exiting with a live gloo/NCCL group can abort the interpreter at shutdown, so
+        call this (or ``torch.distributed.destroy_process_group()``) before exiting.
+        """
+        if self._owns_group and dist.is_initialized():
+            dist.barrier(group=self.group)  # nobody tears down while a peer still gathers
+            dist.destroy_process_group()
+        self._pinned.clear()
 
     def _host_buffer(self, key, like: torch.Tensor) -> torch.Tensor:
         buf = self._pinned.get(key)

@@ -17,7 +17,8 @@ use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= engine.loc
 device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
 if use_cuda:
     torch.cuda.set_device(device)
-hier = GpuHierarchy(init_local_group("nccl" if use_cuda else "gloo"),
+init_local_group("nccl" if use_cuda else "gloo")
+hier = GpuHierarchy(None,
                     chunk_bytes=int(os.environ.get("CHUNK_BYTES", "64")))
 dtypes = [torch.float32, torch.float64, torch.int32, torch.int64]
 if use_cuda:
@@ -33,4 +34,10 @@ for dtype in dtypes:
         want = expect / size if dtype.is_floating_point else torch.div(expect, size, rounding_mode="floor")
         assert torch.allclose(avg.to(torch.float64), want, rtol=1e-2), (dtype, numel)
 print(f"HIER_OK rank={rank} device={device.type} hosts={hier.hosts} local={hier.local_size}", flush=True)
+hier.close()  # barrier + destroy: a live gloo group can abort at interpreter exit
 engine.shutdown()
+sys.stdout.flush()
+# torch's gloo threads occasionally abort ("terminate called without an active
+# exception") during interpreter teardown after the group is destroyed (about 1 run in
+# 20 here; never seen without torch.distributed): leave without that teardown.
+os._exit(0)
