@@ -10,7 +10,8 @@ torch DDP over gloo (rank 0 hosts the rendezvous at ``--addr:--port``)::
         --rank 0 --world-size 4 --ifname eth0 --model vgg16 --iters 3
 
 Prints one ``BENCH_RESULT`` line (see :mod:`bpstrain.bench._report`) whose single
-result is ``{"model", "batch", "times": [seconds per step, ...]}``.
+result is ``{"model", "batch", "times": [seconds per step, ...], "phases": [[forward,
+backward, gradient wait, update], ...]}``.
 """
 
 from __future__ import annotations
@@ -40,15 +41,28 @@ def _build(args):
 def _timed_steps(model, optimizer, data, target, iters, warmup):
     import torch.nn.functional as F
 
-    times = []
+    times, phases = [], []
     for i in range(warmup + iters):
         start = time.perf_counter()
         optimizer.zero_grad()
-        F.cross_entropy(model(data), target).backward()
-        optimizer.step()
+        loss = F.cross_entropy(model(data), target)
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
+        if hasattr(optimizer, "synchronize"):  # bpstrain: wait for the gradients
+            optimizer.synchronize()
+        synced = time.perf_counter()
+        if hasattr(optimizer, "skip_synchronize"):
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            optimizer.step()
+        end = time.perf_counter()
         if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+            times.append(end - start)
+            # forward, backward, waiting for the gradients (bpstrain), optimizer update
+            phases.append([forward - start, backward - forward, synced - backward, end - synced])
+    return times, phases
 
 
 def run_bpstrain(args):
@@ -114,9 +128,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     if args.ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
-    rank, size, times = (run_bpstrain if args.system == "bpstrain" else run_ddp)(args)
+    rank, size, (times, phases) = (run_bpstrain if args.system == "bpstrain" else run_ddp)(args)
     _report.emit(args.system, rank, size, [{"model": args.model, "batch": args.batch_size,
-                                            "times": times}])
+                                            "times": times, "phases": phases}])
     return 0
 
 

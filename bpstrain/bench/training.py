@@ -135,7 +135,12 @@ def run(plan: TrainPlan, log=None) -> list[TrainRow]:
                 log(f"[training] {model}: {system}, {plan.hosts} worker hosts"
                     + (f", {plan.servers} server hosts" if system == "bpstrain" else ""))
                 run_job = _run_bpstrain if system == "bpstrain" else _run_ddp
-                step = _step_time(run_job(hosts, plan, model))
+                payloads = run_job(hosts, plan, model)
+                step = _step_time(payloads)
+                phases = payloads[0]["results"][0].get("phases") or [[0.0] * 4]
+                mean = [sum(col) / len(col) for col in zip(*phases)]
+                log(f"[training]   rank 0 per step: forward {mean[0]:.2f} s, backward "
+                    f"{mean[1]:.2f} s, gradient wait {mean[2]:.2f} s, update {mean[3]:.2f} s")
                 bound = (bounds.ps_bound_s(nbytes, plan.hosts, plan.servers, link)
                          if system == "bpstrain" else bounds.ring_bound_s(nbytes, plan.hosts, link))
                 rows.append(TrainRow(model, system, plan.hosts,

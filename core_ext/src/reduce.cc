@@ -102,7 +102,11 @@ __attribute__((target("avx2,f16c"))) void NarrowHF16C(uint16_t* d, const float* 
                      _mm256_cvtps_ph(_mm256_loadu_ps(a + i), _MM_FROUND_TO_NEAREST_INT));
   for (; i < n; ++i) d[i] = F2H(a[i]);
 }
-const bool kHasF16C = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
+bool DetectF16C() {
+  __builtin_cpu_init();  // required before __builtin_cpu_supports in static initialisers
+  return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
+}
+const bool kHasF16C = DetectF16C();
 #else
 constexpr bool kHasF16C = false;
 void WidenHF16C(float*, const uint16_t*, size_t) {}

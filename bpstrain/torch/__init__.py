@@ -1,0 +1,40 @@
+"""PyTorch adapter: ``import bpstrain.torch as bps`` instead of ``byteps.torch``/``horovod.torch``.
+
+    import torch
+    import bpstrain.torch as bps
+
+    bps.init()
+    torch.cuda.set_device(bps.local_rank())          # when training on GPUs
+    model = build_model().cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * bps.size())
+    optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    bps.broadcast_optimizer_state(optimizer, root_rank=0)
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+Run it with ``python -m bpstrain.launch --workers 4 --servers 2 -- python train.py``,
+or alone (``python train.py``: rank 0 of 1). Modules: :mod:`.ops` (collectives),
+:mod:`.optimizer`, :mod:`.functions` (broadcast helpers), :mod:`.parallel` (DDP),
+:mod:`.compression`; CUDA staging lives in :mod:`._cuda`.
+"""
+
+from bpstrain.torch import parallel
+from bpstrain.torch.compression import Compression
+from bpstrain.torch.functions import (broadcast_object, broadcast_optimizer_state,
+                                      broadcast_parameters)
+from bpstrain.torch.ops import (broadcast, broadcast_, broadcast_async, broadcast_async_, declare,
+                                distributed, init, is_initialized, local_rank, local_size, poll,
+                                push_pull, push_pull_async, push_pull_async_inplace,
+                                push_pull_inplace, rank, shutdown, size, synchronize)
+from bpstrain.torch.optimizer import DistributedOptimizer
+
+__all__ = [
+    "Compression", "DistributedOptimizer", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
+    "declare", "distributed", "init", "is_initialized", "local_rank", "local_size", "parallel",
+    "poll", "push_pull", "push_pull_async", "push_pull_async_inplace", "push_pull_inplace",
+    "rank", "shutdown", "size", "synchronize",
+]

@@ -1,0 +1,250 @@
+"""CUDA tensors: host staging through pinned memory, pipelined chunk by chunk.
+
+The engine moves host memory, so a CUDA tensor is copied to a pinned host buffer, sent
+and copied back. To overlap the copies with the network, the tensor is cut into chunks
+of ``partition_bytes`` and every chunk goes through three stages of its own::
+
+    push thread      queues the D2H copies (side stream), waits for chunk i's copy,
+                     hands chunk i to the engine while chunk i+1 is still crossing PCIe
+    pull thread      waits for chunk i's result, H2D copy on another stream
+
+The caller (often autograd's thread, inside a gradient hook) only records an event on
+its stream and queues the op, so backward is not slowed by staging work. Neither thread
+calls the user's code, and both wait with the GIL released. The caller's stream waits
+on the final H2D event at :meth:`CudaOp.wait`, so results are ordered like any other
+CUDA work. Named tensors keep their pinned buffer from one step to the next.
+
+Names: a tensor that fits one chunk keeps its name; chunk i of a larger one is named
+``<name>.part<i>``, and ``<name>`` itself carries a small layout-check op (shape,
+dtype and chunk size, hashed) so ranks that disagree get an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from bpstrain import engine
+from bpstrain.errors import BpsTimeoutError, MismatchError
+from bpstrain.torch import _tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Elements [start, stop) of the flat tensor, sent as ``name`` with ``shape``."""
+
+    name: str
+    start: int
+    stop: int
+    shape: Tuple[int, ...]
+
+
+def chunk_plan(name: str, tensor: torch.Tensor, chunk_bytes: int) -> List[Chunk]:
+    """How a CUDA tensor is cut for staging (the same on every rank for the same tensor)."""
+    numel = tensor.numel()
+    per_chunk = max(1, chunk_bytes // tensor.element_size())
+    marker = _tensors.device_signature(tensor)
+    if numel <= per_chunk:
+        return [Chunk(name, 0, numel, (tuple(tensor.shape) or (1,)) + marker)]
+    starts = range(0, numel, per_chunk)
+    return [Chunk(f"{name}.part{i}", a, min(a + per_chunk, numel), (min(per_chunk, numel - a),) + marker)
+            for i, a in enumerate(starts)]
+
+
+class CudaOp:
+    """One staged operation; :meth:`wait` returns the output tensor on its device."""
+
+    def __init__(self, name, tensor, output, host, chunks, copy, ready, kind, average,
+                 priority, root, check):
+        self.name, self.tensor, self.output, self.host = name, tensor, output, host
+        self.chunks, self.copy, self.ready = chunks, copy, ready
+        self.kind, self.average, self.priority, self.root = kind, average, priority, root
+        self.check = check  # (int64 array [h, h*h], h) or None
+        self.host_device = tensor.device
+        self.check_handle: Optional[int] = None
+        self.handles: List[int] = []
+        self.error: Optional[BaseException] = None
+        self.finished: Optional[torch.cuda.Event] = None
+        self.done = threading.Event()
+
+    def poll(self) -> bool:
+        """True once the result is on its way back to the device (never blocks)."""
+        return self.done.is_set()
+
+    def wait(self, timeout: float) -> torch.Tensor:
+        """Blocks (GIL released, Ctrl-C works) until done; returns the output tensor."""
+        waited = 0.0
+        while not self.done.wait(0.1):
+            waited += 0.1
+            if waited >= timeout:
+                raise BpsTimeoutError(
+                    f"CUDA push_pull of '{self.name}' did not finish in {timeout:.0f} s "
+                    f"({len(self.handles)} of {len(self.chunks)} chunks handed to the engine). "
+                    "Received: timeout")
+        if self.error is not None:
+            raise self.error
+        output, self.output = self.output, None  # the op may outlive this call (buffer cache)
+        torch.cuda.current_stream(output.device).wait_event(self.finished)
+        return output
+
+
+class Stager:
+    """The two staging threads and the per-device copy streams of this process."""
+
+    def __init__(self, chunk_bytes: int):
+        self.chunk_bytes = int(chunk_bytes)
+        self._streams: Dict[int, Tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        self._to_push: "queue.SimpleQueue[Optional[CudaOp]]" = queue.SimpleQueue()
+        self._to_pull: "queue.SimpleQueue[Optional[CudaOp]]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        # Pinned staging buffers of named tensors, reused step after step: allocating
+        # pinned memory per operation costs far more than the copy itself.
+        self._pinned: Dict[str, Tuple[torch.Tensor, CudaOp]] = {}
+        self.cache_pinned = True
+        self._threads = [threading.Thread(target=self._push_loop, name="bpstrain-cuda-push", daemon=True),
+                         threading.Thread(target=self._pull_loop, name="bpstrain-cuda-pull", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def _streams_of(self, device: torch.device):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            if index not in self._streams:
+                with torch.cuda.device(index):
+                    self._streams[index] = (torch.cuda.Stream(), torch.cuda.Stream())
+            return self._streams[index]
+
+    def _host_buffer(self, name: str, tensor: torch.Tensor, reuse: bool, d2h) -> torch.Tensor:
+        if not (reuse and self.cache_pinned):
+            return torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
+        host, last = self._pinned.get(name, (None, None))
+        if host is None or host.numel() != tensor.numel() or host.dtype != tensor.dtype:
+            return torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
+        # The last op of this name was synchronized before this one started (as for
+        # Horovod, a name is never in flight twice); its H2D copy must still finish
+        # before this op's D2H copy overwrites the buffer.
+        if last.finished is not None:
+            d2h.wait_event(last.finished)
+        return host
+
+    def submit(self, tensor, output, name, kind, average=True, priority=0, root=0,
+               rank=0, check=False, reuse=False) -> CudaOp:
+        """Starts the D2H copies on the caller's stream order and queues the op.
+
+        Args:
+            tensor: contiguous CUDA input (kept alive until the copies are done).
+            output: contiguous CUDA tensor of the same shape for the result (may be ``tensor``).
+            kind: ``"push_pull"`` or ``"broadcast"``.
+            check: add the layout-check op (first use of a chunked name).
+            reuse: keep the pinned buffer for the next op of this name (named tensors).
+        """
+        d2h, _ = self._streams_of(tensor.device)
+        chunks = chunk_plan(name, tensor, self.chunk_bytes)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tensor.device))
+        host = self._host_buffer(name, tensor, reuse, d2h)
+        # A non-root broadcast only receives: its input bytes are never read.
+        copy = kind != "broadcast" or rank == root
+        if copy:
+            tensor.record_stream(d2h)  # op.tensor keeps it alive until the copy is queued
+        layout = None
+        if check and len(chunks) > 1:
+            h = _tensors.layout_hash("cuda", tuple(tensor.shape), str(tensor.dtype), self.chunk_bytes)
+            layout = (np.array([h, h * h], dtype=np.int64).reshape(_tensors.LAYOUT_SHAPE + (1,)), h)
+        op = CudaOp(name, tensor, output, host, chunks, copy, ready, kind, average, priority,
+                    root, layout)
+        if reuse and self.cache_pinned:
+            self._pinned[name] = (host, op)
+        self._to_push.put(op)
+        return op
+
+    def _push_loop(self) -> None:
+        while True:
+            op = self._to_push.get()
+            if op is None:
+                self._to_pull.put(None)  # after everything already queued for pulling
+                return
+            try:
+                if op.check is not None:
+                    op.check_handle = engine.push_pull_async(op.check[0], op.name, average=False,
+                                                             out=op.check[0])
+                dtype = _tensors.engine_dtype(op.host)
+                for c, event in zip(op.chunks, self._copy_to_host(op)):
+                    if event is not None:
+                        event.synchronize()  # releases the GIL
+                    view = _tensors.host_view(op.host[c.start:c.stop], c.shape)
+                    if op.kind == "broadcast":
+                        h = engine.broadcast_async(view, op.root, c.name, out=view, dtype=dtype,
+                                                   priority=op.priority)
+                    else:
+                        h = engine.push_pull_async(view, c.name, op.average, op.priority, out=view,
+                                                   dtype=dtype)
+                    op.handles.append(h)
+            except BaseException as exc:  # delivered to the caller at wait()
+                op.error = exc
+            self._to_pull.put(op)
+
+    def _copy_to_host(self, op: CudaOp) -> List[Optional[torch.cuda.Event]]:
+        """Queues the D2H copies of every chunk; returns one event per chunk."""
+        d2h, _ = self._streams_of(op.host_device)
+        d2h.wait_event(op.ready)
+        events: List[Optional[torch.cuda.Event]] = [None] * len(op.chunks)
+        with torch.cuda.stream(d2h):
+            if op.copy:
+                flat = op.tensor.reshape(-1)
+                for i, c in enumerate(op.chunks):
+                    op.host[c.start:c.stop].copy_(flat[c.start:c.stop], non_blocking=True)
+                    events[i] = torch.cuda.Event()
+                    events[i].record(d2h)
+            else:
+                # Nothing to send, but the engine must not write a reused buffer before
+                # the last op's H2D copy has read it.
+                events[0] = torch.cuda.Event()
+                events[0].record(d2h)
+        return events
+
+    def _pull_loop(self) -> None:
+        while True:
+            op = self._to_pull.get()
+            if op is None:
+                return
+            try:
+                if op.error is None:
+                    self._finish(op)
+            except BaseException as exc:
+                op.error = exc
+            # The engine keeps failed buffers referenced itself; drop ours either way.
+            op.tensor = None
+            op.done.set()
+
+    def _finish(self, op: CudaOp) -> None:
+        if op.check_handle is not None:
+            sums = engine.synchronize(op.check_handle)
+            if not _tensors.same_everywhere(sums, engine.size()):
+                raise MismatchError(
+                    f"tensor '{op.name}' has a different shape, dtype or chunk size on another "
+                    "rank; every rank must pass the same tensor signature for a name. Received: "
+                    f"this rank cuda {op.output.dtype} {tuple(op.output.shape)}")
+        _, h2d = self._streams_of(op.output.device)
+        h2d.wait_event(op.ready)
+        flat = op.output.reshape(-1)
+        with torch.cuda.device(op.output.device):
+            for c, h in zip(op.chunks, op.handles):
+                engine.synchronize(h)
+                with torch.cuda.stream(h2d):
+                    flat[c.start:c.stop].copy_(op.host[c.start:c.stop], non_blocking=True)
+            op.finished = torch.cuda.Event()
+            op.finished.record(h2d)
+        op.output.record_stream(h2d)
+
+    def close(self) -> None:
+        """Stops both threads after the queued work (idempotent)."""
+        self._to_push.put(None)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)

@@ -1,0 +1,1 @@
+"""Example scripts (BytePS example/pytorch counterparts); run them with ``python -m``."""

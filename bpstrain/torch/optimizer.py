@@ -1,0 +1,236 @@
+"""DistributedOptimizer: averages gradients over ranks while backward still runs.
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    loss.backward()        # each gradient starts its push_pull as soon as it is ready
+    optimizer.step()       # waits for them, then updates
+
+Gradient clipping::
+
+    loss.backward()
+    optimizer.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with optimizer.skip_synchronize():
+        optimizer.step()
+
+A hook per parameter (``register_post_accumulate_grad_hook``) starts its push_pull
+with priority ``-index`` (front layers first: they are needed first by the next
+forward pass). Parameters under ``fusion_threshold_bytes`` (1 MiB) travel in shared
+buckets, sent when their last member is ready (:mod:`bpstrain.torch._fusion`). At ``step()``/``synchronize()`` every parameter that requires a
+gradient and whose hook did not fire (unused on this rank, ``None`` gradient, frozen
+when the optimizer was built and unfrozen since) is push_pulled too, as zeros when it
+has no gradient, so all ranks issue the same operations and nobody waits forever.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from bpstrain.torch import _fusion, ops
+from bpstrain.torch.compression import Compression
+
+_instances = itertools.count()
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into a subclass of the wrapped optimizer's class."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step,
+                 fusion_threshold_bytes):
+        super(self.__class__, self).__init__(params)
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be >= 1. Received: "
+                             f"backward_passes_per_step={backward_passes_per_step}")
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+                raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                                 "tuples, usually model.named_parameters(). Received: "
+                                 f"{[type(item).__name__ for item in named[:3]]}")
+            names = [n for n, _ in named]
+            dups = sorted({n for n in names if names.count(n) > 1})
+            if dups:
+                raise ValueError("Parameter names in named_parameters must be unique. "
+                                 f"Received duplicates: {', '.join(dups)}")
+            known = {id(p) for _, p in named}
+            missing = [i for i, p in enumerate(all_params) if id(p) not in known]
+            if missing:
+                raise ValueError("named_parameters was given but does not name every parameter "
+                                 "of the optimizer. Received: unnamed parameter indices "
+                                 f"{missing[:10]}")
+            by_id = {id(p): n for n, p in named}
+        else:
+            by_id = {id(p): f"noname.{i}" for i, p in enumerate(all_params)}
+        # The instance number keeps two optimizers with equal parameter names apart.
+        prefix = f"DistributedOptimizer.{next(_instances)}.grad."
+        self._bps_names = {id(p): prefix + by_id[id(p)] for p in all_params}
+        self._bps_priority = {id(p): -i for i, p in enumerate(all_params)}
+        self._bps_compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self._bps_delay = {id(p): backward_passes_per_step for p in all_params}
+        self._bps_handles = {}  # id(p) -> (p, handle, (compressed, ctx)) of unfused parameters
+        self._bps_fired = set()  # parameters whose gradient is final for this step
+        self._bps_had_grad = {}  # id(p) -> False when synchronize() supplied zeros
+        bucket_bytes = max(int(ops._runtime().chunk_bytes), 1 << 20)
+        self._bps_buckets = _fusion.plan_buckets(all_params, prefix, fusion_threshold_bytes,
+                                                 bucket_bytes)
+        self._bps_bucket_of = {id(p): b for b in self._bps_buckets for p in b.params}
+        self._bps_hooked = set()
+        self._bps_synchronized = False
+        self._bps_should_synchronize = True
+        self._bps_active = ops.distributed()
+        if self._bps_active:
+            self._bps_register_hooks()
+
+    def _bps_params(self):
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _bps_register_hooks(self):
+        for p in self._bps_params():
+            if p.requires_grad and id(p) not in self._bps_hooked:
+                p.register_post_accumulate_grad_hook(self._bps_make_hook())
+                self._bps_hooked.add(id(p))
+
+    def _bps_make_hook(self):
+        def hook(p):
+            key = id(p)
+            if key not in self._bps_delay:  # parameter added after construction
+                return
+            if self._bps_delay[key] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    f"locally. Received: backward_passes_per_step={self.backward_passes_per_step}")
+            self._bps_delay[key] -= 1
+            if self._bps_delay[key] == 0:
+                self._bps_ready(p)
+        return hook
+
+    def _bps_ready(self, p):
+        """``p.grad`` is final for this step: start its push_pull (or its bucket's)."""
+        self._bps_fired.add(id(p))
+        bucket = self._bps_bucket_of.get(id(p))
+        if bucket is None:
+            self._bps_handles[id(p)] = (p,) + self._bps_push_pull_async(p)
+            return
+        bucket.ready.add(id(p))
+        if bucket.handle is None and bucket.complete():
+            bucket.launch(self._bps_compression)
+
+    def _bps_push_pull_async(self, p):
+        grad = p.grad
+        compressed, ctx = self._bps_compression.compress(grad)
+        handle = ops.push_pull_async_inplace(compressed, average=True, name=self._bps_names[id(p)],
+                                             priority=self._bps_priority[id(p)])
+        return handle, (compressed, ctx)
+
+    def in_flight(self) -> int:
+        """Number of push_pulls started by the hooks and not yet synchronized."""
+        return len(self._bps_handles) + sum(b.handle is not None for b in self._bps_buckets)
+
+    def synchronize(self):
+        """Waits for every gradient's push_pull; afterwards ``p.grad`` holds the average."""
+        if not self._bps_active:
+            self._bps_synchronized = True
+            return
+        # Same set on every rank: what requires a gradient now, in parameter order.
+        for p in self._bps_params():
+            key = id(p)
+            if key not in self._bps_names or not p.requires_grad or key in self._bps_fired:
+                continue
+            self._bps_had_grad[key] = p.grad is not None
+            if p.grad is None:
+                # Unused here, maybe used elsewhere: contribute zeros rather than hang.
+                p.grad = torch.zeros_like(p)
+            self._bps_ready(p)
+        for bucket in self._bps_buckets:  # buckets whose members are partly frozen
+            if bucket.handle is None and any(q.requires_grad for q in bucket.params):
+                bucket.launch(self._bps_compression)
+        self._bps_register_hooks()  # parameters unfrozen since construction
+        try:
+            for key, (p, handle, (compressed, cctx)) in list(self._bps_handles.items()):
+                ops.synchronize(handle)
+                if compressed is not p.grad:
+                    p.grad.copy_(self._bps_compression.decompress(compressed, cctx))
+                if self._bps_had_grad.get(key) is False and not bool(p.grad.any()):
+                    p.grad = None  # unused on every rank: leave it as a local run would
+            for bucket in self._bps_buckets:
+                if bucket.handle is not None:
+                    bucket.finish(self._bps_compression, self._bps_had_grad)
+        finally:
+            for key in self._bps_delay:
+                self._bps_delay[key] = self.backward_passes_per_step
+            for bucket in self._bps_buckets:
+                bucket.reset()
+            self._bps_handles.clear()
+            self._bps_fired.clear()
+            self._bps_had_grad.clear()
+        self._bps_synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Makes ``step()`` skip synchronizing (after an explicit ``synchronize()``)."""
+        self._bps_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._bps_should_synchronize = True
+
+    def step(self, closure=None):
+        """Synchronizes the gradients (unless inside ``skip_synchronize()``), then steps."""
+        if self._bps_should_synchronize:
+            if self._bps_synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                    "consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._bps_synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Like the wrapped optimizer's; refused while push_pulls are in flight."""
+        if self.in_flight():
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                "cause a race condition.")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, fusion_threshold_bytes=1 << 20):
+    """Wraps a ``torch.optim`` optimizer so that ``step()`` uses rank-averaged gradients.
+
+    The result is an instance of a dynamic subclass of ``type(optimizer)`` (as in
+    Horovod), so ``isinstance(opt, torch.optim.SGD)`` still holds; it shares the
+    wrapped optimizer's parameter groups, defaults and state.
+
+    Args:
+        optimizer: the optimizer to wrap.
+        named_parameters: ``model.named_parameters()``; names the push_pulls (must be
+            unique and cover every parameter of the optimizer).
+        compression: ``Compression.none`` or ``Compression.fp16``.
+        backward_passes_per_step: local accumulation: gradients of this many backward
+            passes are summed locally, then averaged over ranks once.
+        fusion_threshold_bytes: parameters smaller than this share push_pulls (see
+            :mod:`bpstrain.torch._fusion`); 0 gives every parameter its own.
+
+    Raises:
+        ValueError: duplicate names, or parameters missing from ``named_parameters``.
+    """
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    wrapped = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+                  fusion_threshold_bytes)
+    # The subclass was built from param_groups alone: keep the original's defaults (for
+    # add_param_group) and any state it already had (e.g. loaded from a checkpoint).
+    wrapped.defaults = dict(optimizer.defaults)
+    wrapped.state.update(optimizer.state)
+    return wrapped

@@ -1,0 +1,95 @@
+"""bpstrain.torch in real multi-process jobs (launcher + scheduler + servers + workers).
+
+Each job runs many checks in one launch (torch_check_worker.py) because every worker
+process pays the torch import; the tests here report the checks one by one.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+CPU_GROUPS = ["torch_checks_api", "torch_checks_optim_state", "torch_checks_training"]
+sys.path.insert(0, str(HERE))
+from torch_check_worker import collect  # noqa: E402
+
+_jobs = {}
+
+
+def run_job(workers, servers, groups, extra_env=None, timeout=240):
+    """Runs one launched job (cached per arguments); returns {check: {rank: result}}."""
+    key = (workers, servers, tuple(groups))
+    if key in _jobs:
+        return _jobs[key]
+    env = {**os.environ, "BPSTRAIN_OP_TIMEOUT": "20", "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    for name in [n for n in env if n.startswith("DMLC_")]:
+        del env[name]
+    cmd = [sys.executable, "-m", "bpstrain.launch", "--workers", str(workers), "--servers",
+           str(servers), "--", sys.executable, str(HERE / "torch_check_worker.py"), *groups]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if "CHECK " in line:
+            item = json.loads(line.split("CHECK ", 1)[1])
+            results.setdefault(item["name"], {})[item["rank"]] = item
+    _jobs[key] = (proc, results)
+    return _jobs[key]
+
+
+def _assert_check(job, name, workers):
+    proc, results = job
+    got = results.get(name, {})
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert len(got) == workers, f"check {name} reported by ranks {sorted(got)}; output:\n{tail}"
+    failed = {rank: r["error"] for rank, r in got.items() if not r["ok"]}
+    assert not failed, f"check {name} failed:\n" + "\n".join(f"[rank {k}] {v}" for k, v in failed.items())
+
+
+CPU_CHECKS = [name for name, _ in collect(CPU_GROUPS)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", CPU_CHECKS)
+def test_cpu_checks_on_2_workers(name):
+    job = run_job(2, 1, CPU_GROUPS)
+    _assert_check(job, name, 2)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", CPU_CHECKS)
+def test_cpu_checks_on_3_workers_2_servers(name):
+    job = run_job(3, 2, CPU_GROUPS)
+    _assert_check(job, name, 3)
+
+
+@pytest.mark.timeout(30)
+def test_jobs_exit_cleanly():
+    for workers, servers in ((2, 1), (3, 2)):
+        proc, _ = run_job(workers, servers, CPU_GROUPS)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+def _cuda_available():
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+CUDA_GROUPS = ["torch_checks_cuda"]
+
+
+@pytest.mark.skipif(not _cuda_available(), reason="needs CUDA")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [name for name, _ in collect(CUDA_GROUPS)])
+def test_cuda_checks_on_2_workers(name):
+    job = run_job(2, 1, CUDA_GROUPS, extra_env={"BYTEPS_PARTITION_BYTES": str(1 << 20)})
+    _assert_check(job, name, 2)

@@ -1,0 +1,148 @@
+"""Checks of the collective API, run inside a launched job (see torch_check_worker.py).
+
+Functions take ``device`` so torch_checks_cuda.py reruns them on the GPU.
+"""
+
+import time
+
+import torch
+
+import bpstrain.torch as bps
+from bpstrain.errors import MismatchError
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+          torch.int32, torch.int64]
+
+
+def _close(got, want, dtype):
+    tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6
+    return torch.allclose(got.double().cpu(), want.double().cpu(), rtol=tol, atol=tol)
+
+
+def check_push_pull_every_dtype(device="cpu"):
+    r, n = bps.rank(), bps.size()
+    base = torch.arange(6).reshape(2, 3)
+    for dt in DTYPES:
+        for shape_name, x in (("2x3", base + r), ("0d", torch.tensor(r + 1))):
+            x = x.to(dt).to(device)
+            tag = f"dtype.{device}.{dt}.{shape_name}"
+            total = bps.push_pull(x, average=False, name=tag + ".sum")
+            want = (base * n + n * (n - 1) // 2) if shape_name == "2x3" else torch.tensor(n * (n + 1) // 2)
+            assert total.dtype == dt and total.shape == x.shape and total.device == x.device, tag
+            assert torch.equal(total.cpu(), want.to(dt)), (tag, total, want)
+            avg = bps.push_pull(x, average=True, name=tag + ".avg")
+            if dt.is_floating_point:
+                assert _close(avg, want.double() / n, dt), (tag, avg)
+            else:  # integer averages floor-divide
+                assert torch.equal(avg.cpu(), torch.div(want, n, rounding_mode="floor").to(dt)), (tag, avg)
+
+
+def check_async_poll_inplace_noncontiguous(device="cpu"):
+    r, n = bps.rank(), bps.size()
+    x = torch.full((1000,), float(r), device=device)
+    handle = bps.push_pull_async(x, average=False, name=f"async.{device}")
+    deadline = time.monotonic() + 20
+    while not bps.poll(handle):  # poll() itself is under test
+        assert time.monotonic() < deadline, "poll never became True"
+        time.sleep(0.001)
+    out = bps.synchronize(handle)
+    assert torch.equal(out, torch.full_like(x, n * (n - 1) / 2)) and torch.equal(x, torch.full_like(x, r))
+    try:
+        bps.synchronize(handle)
+        raise AssertionError("second synchronize() should fail")
+    except ValueError:
+        pass
+    assert bps.push_pull_inplace(x, name=f"inplace.{device}") is x
+    assert torch.allclose(x, torch.full_like(x, (n - 1) / 2))
+    y = (torch.arange(12.0, device=device).reshape(3, 4) * (r + 1)).t()
+    bps.push_pull_inplace(y, average=False, name=f"noncontig.{device}")
+    assert not y.is_contiguous()
+    assert torch.equal(y, torch.arange(12.0, device=device).reshape(3, 4).t() * (n * (n + 1) // 2))
+
+
+def check_broadcast_every_dtype(device="cpu"):
+    r, n = bps.rank(), bps.size()
+    root = n - 1
+    for dt in DTYPES:
+        x = (torch.arange(6).reshape(2, 3) + 10 * r).to(dt).to(device)
+        want = (torch.arange(6).reshape(2, 3) + 10 * root).to(dt)
+        got = bps.broadcast(x, root, name=f"bcast.{device}.{dt}")
+        assert torch.equal(got.cpu(), want) and got.device == x.device, (dt, got)
+        assert r == root or not torch.equal(x.cpu(), want), "broadcast() must not modify its input"
+        bps.broadcast_(x, root, name=f"bcast_.{device}.{dt}")
+        assert torch.equal(x.cpu(), want), (dt, x)
+        s = torch.tensor(r, dtype=dt, device=device)
+        bps.broadcast_(s, root, name=f"bcast0d.{device}.{dt}")
+        assert s.shape == () and s.item() == root
+
+
+def check_autograd_through_push_pull(device="cpu"):
+    n = bps.size()
+    x = torch.ones(4, device=device, requires_grad=True)
+    y = bps.push_pull(x, average=False, name=f"autograd.sum.{device}")
+    y.sum().backward()
+    assert torch.equal(y.detach(), torch.full_like(x, n)) and torch.equal(x.grad, torch.full_like(x, n))
+    x2 = torch.ones(4, device=device, requires_grad=True)
+    bps.push_pull(x2, average=True, name=f"autograd.avg.{device}").sum().backward()
+    assert torch.equal(x2.grad, torch.ones_like(x2))
+
+
+def check_fp16_compression_and_bad_dtypes(device="cpu"):
+    r, n = bps.rank(), bps.size()
+    x = torch.full((5,), 1.5 + r, device=device)
+    y = bps.push_pull(x, average=False, name=f"fp16.{device}", compression=bps.Compression.fp16)
+    assert y.dtype == torch.float32 and torch.allclose(y, torch.full_like(x, 1.5 * n + n * (n - 1) / 2))
+    small, ctx = bps.Compression.fp16.compress(torch.ones(2, dtype=torch.int32))
+    assert small.dtype == torch.int32 and bps.Compression.fp16.decompress(small, ctx).dtype == torch.int32
+    for bad in (torch.ones(2, dtype=torch.bool), torch.ones(2, dtype=torch.complex64)):
+        try:
+            bps.push_pull(bad.to(device), name="bad.dtype")
+            raise AssertionError(f"{bad.dtype} should be refused")
+        except ValueError as exc:
+            assert "Received: dtype=" in str(exc)
+
+
+def check_shape_mismatch_raises_everywhere_and_job_survives(device="cpu"):
+    r, n = bps.rank(), bps.size()
+    try:
+        bps.push_pull(torch.ones(3 + r, device=device), name=f"mismatch.{device}")
+        raise AssertionError("shape mismatch went unnoticed")
+    except MismatchError as exc:
+        assert isinstance(exc, RuntimeError) and f"mismatch.{device}" in str(exc)
+    out = bps.push_pull(torch.ones(2, device=device), average=False, name=f"after.mismatch.{device}")
+    assert torch.equal(out, torch.full_like(out, n))
+
+
+def check_broadcast_object():
+    r, n = bps.rank(), bps.size()
+    obj = {"rank": r, "t": torch.arange(3) * r, "blob": "x" * (1000 * r), "none": None}
+    got = bps.broadcast_object(obj, root_rank=n - 1)
+    assert got["rank"] == n - 1 and torch.equal(got["t"], torch.arange(3) * (n - 1))
+    assert got["blob"] == "x" * (1000 * (n - 1)) and got["none"] is None
+    assert bps.broadcast_object(r * 7) == 0
+
+
+def check_broadcast_parameters_state_dict_named_and_list():
+    r = bps.rank()
+    torch.manual_seed(r)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    for _ in range(r + 1):  # different running stats and num_batches_tracked per rank
+        model(torch.randn(8, 4))
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    want = bps.broadcast_object(model.state_dict(), root_rank=0)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, want[key]), key
+    assert int(model[1].num_batches_tracked) == 1
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(r)
+    bps.broadcast_parameters(model.named_parameters(), root_rank=0)
+    assert all(torch.equal(p, want[k]) for k, p in model.named_parameters())
+    extra = [torch.full((2,), float(r)), torch.tensor(r)]
+    bps.broadcast_parameters(extra, root_rank=0)
+    assert extra[0].sum() == 0 and extra[1] == 0
+    try:
+        bps.broadcast_parameters(5)
+        raise AssertionError("an int is not a parameter collection")
+    except ValueError:
+        pass
