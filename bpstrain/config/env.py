@@ -169,7 +169,8 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
     if not node_host and interface:
         node_host = _interface_address(interface)
     comm = {
-        "partition_bytes": _int(env, "BYTEPS_PARTITION_BYTES", None, minimum=1),
+        "partition_bytes": _int(env, "BPSTRAIN_PARTITION_BYTES", None, minimum=1)
+        or _int(env, "BYTEPS_PARTITION_BYTES", None, minimum=1),
         "timeout": _float(env, "BPSTRAIN_TIMEOUT"),
         "op_timeout": _float(env, "BPSTRAIN_OP_TIMEOUT"),
         "rendezvous_timeout": _float(env, "BPSTRAIN_RENDEZVOUS_TIMEOUT"),
