@@ -13,9 +13,6 @@ Flat or hierarchical is chosen by the environment (``BPSTRAIN_HIERARCHICAL``).
 
 from __future__ import annotations
 
-import argparse
-import faulthandler
-import signal
 import sys
 
 import numpy as np
@@ -81,16 +78,7 @@ def _check(out: np.ndarray, expected: np.float32, nbytes: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; see the module docstring."""
-    parser = argparse.ArgumentParser(prog="python -m bpstrain.bench._hier_worker")
-    parser.add_argument("--case", action="append", required=True,
-                        help="BYTES:ITERS[:WARMUP], repeatable")
-    parser.add_argument("--partition-bytes", type=int, default=None)
-    args = parser.parse_args(argv)
-    # The parent sends SIGUSR1 before killing a stuck job: stacks land in stderr.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    rank, size, results = run(_report.parse_cases(args.case), args.partition_bytes)
-    _report.emit("bpstrain", rank, size, results)
-    return 0
+    return _report.worker_main("python -m bpstrain.bench._hier_worker", run, argv)
 
 
 if __name__ == "__main__":

@@ -85,3 +85,26 @@ def parse_result(stdout: str) -> dict:
     tail = stdout[-500:]
     raise ValueError(f"Expected a '{MARKER.strip()} {{json}}' line in the worker output. "
                      f"Received: ...{tail!r}")
+
+
+def worker_main(prog: str, run: Callable, argv: Sequence[str] | None = None) -> int:
+    """Command line shared by the bpstrain benchmark workers.
+
+    Parses ``--case BYTES:ITERS[:WARMUP]`` (repeatable) and ``--partition-bytes``, calls
+    ``run(cases, partition_bytes) -> (rank, size, results)`` and prints the
+    ``BENCH_RESULT`` line.
+    """
+    import argparse
+    import faulthandler
+    import signal
+
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--case", action="append", required=True,
+                        help="BYTES:ITERS[:WARMUP], repeatable")
+    parser.add_argument("--partition-bytes", type=int, default=None)
+    args = parser.parse_args(argv)
+    # The parent sends SIGUSR1 before killing a stuck job: stacks land in stderr.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    rank, size, results = run(parse_cases(args.case), args.partition_bytes)
+    emit("bpstrain", rank, size, results)
+    return 0
