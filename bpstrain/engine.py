@@ -146,6 +146,7 @@ def _connect(state: _State) -> None:
         rendezvous_timeout=float(o["rendezvous_timeout"]),
         secret=str(o["secret"] or ""),
         hierarchical=bool(o["hierarchical"]),
+        socket_send_buffer=int(o["socket_send_buffer"]),
     )
     worker.start()
     try:

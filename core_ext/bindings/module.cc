@@ -159,9 +159,11 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](const std::string& scheduler_host, int scheduler_port, int64_t rank_hint,
                        int local_rank, int local_size, int64_t partition_bytes, int64_t credit_bytes,
                        int connections_per_server, bool priority, const std::string& numa,
-                       double rendezvous_timeout, const std::string& secret, bool hierarchical) {
+                       double rendezvous_timeout, const std::string& secret, bool hierarchical,
+                       int socket_send_buffer) {
              WorkerOptions o;
              o.hierarchical = hierarchical;
+             o.socket_send_buffer = socket_send_buffer;
              o.scheduler_host = scheduler_host;
              o.scheduler_port = scheduler_port;
              o.rank_hint = rank_hint;
@@ -180,7 +182,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("local_rank") = 0, py::arg("local_size") = 1, py::arg("partition_bytes") = 4 << 20,
            py::arg("credit_bytes") = 0, py::arg("connections_per_server") = 1, py::arg("priority") = true,
            py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
-           py::arg("hierarchical") = false)
+           py::arg("hierarchical") = false, py::arg("socket_send_buffer") = 256 << 10)
       .def("start", &Worker::Start)
       .def("wait_ready", &Worker::WaitReady, py::arg("seconds"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Worker::rank)

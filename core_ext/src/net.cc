@@ -139,6 +139,10 @@ void Connection::SetRecvTimeout(double seconds) {
   setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
 }
 
+void Connection::SetSendBuffer(int bytes) {
+  setsockopt(fd_, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
+}
+
 void Connection::Send(FrameHeader h, const std::string& meta, const void* body,
                       uint64_t body_len) {
   h.magic = kFrameMagic;

@@ -55,6 +55,8 @@ class Connection {
   // Limits how long one receive may block (0 = forever); used during handshakes so a
   // silent client cannot hold a thread.
   void SetRecvTimeout(double seconds);
+  // Caps the kernel send buffer (bytes); the kernel doubles it for bookkeeping.
+  void SetSendBuffer(int bytes);
   // Unblocks every thread in Send/Recv; idempotent.
   void Shutdown();
   const std::string& peer() const { return peer_; }
