@@ -182,7 +182,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("local_rank") = 0, py::arg("local_size") = 1, py::arg("partition_bytes") = 4 << 20,
            py::arg("credit_bytes") = 0, py::arg("connections_per_server") = 1, py::arg("priority") = true,
            py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
-           py::arg("hierarchical") = false, py::arg("socket_send_buffer") = 256 << 10)
+           py::arg("hierarchical") = false, py::arg("socket_send_buffer") = 128 << 10)
       .def("start", &Worker::Start)
       .def("wait_ready", &Worker::WaitReady, py::arg("seconds"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Worker::rank)

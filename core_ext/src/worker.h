@@ -51,7 +51,7 @@ struct WorkerOptions {
   double rendezvous_timeout = 120.0;
   std::string secret;
   bool hierarchical = false;  // reduce inside the host through shared memory first
-  int socket_send_buffer = 256 << 10;  // SO_SNDBUF of data connections; 0 = kernel autotuning
+  int socket_send_buffer = 128 << 10;  // SO_SNDBUF of data connections; 0 = kernel autotuning
 };
 
 enum class Op : int { kSum = 0, kAverage = 1, kBroadcast = 2 };
