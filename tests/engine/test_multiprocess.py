@@ -150,3 +150,22 @@ def test_hung_worker_is_detected_by_heartbeat_timeout():
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_interrupts_a_blocking_wait():
+    procs = start_by_hand(2, 1, "interrupt_wait.py")
+    try:
+        w0 = procs["worker0"]
+        assert w0.stdout.readline().strip() == "BLOCKING"
+        time.sleep(0.5)
+        sent = time.time()
+        w0.send_signal(signal.SIGINT)
+        assert w0.wait(timeout=10) == 0
+        assert time.time() - sent < 5  # the wait gives the GIL back every 0.1 s
+        assert "INTERRUPTED" in w0.stdout.read()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
