@@ -1,7 +1,7 @@
 // Shared vocabulary of the engine: dtypes, the error type that travels to Python,
 // logging, and small time helpers.
 //
-// Nothing in the engine calls abort()/exit(): every failure is an bps::Error with a
+// Nothing in the engine ends the process on bad input: every failure is a bps::Error with a
 // Kind that the bindings map to one Python exception class (bindings/module.cc).
 #pragma once
 
