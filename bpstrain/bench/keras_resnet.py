@@ -85,31 +85,8 @@ def _run_all(hosts: Hosts, plan: Plan, log) -> list[dict]:
 
 
 def _run_job(hosts: Hosts, layout: _jobs.Layout, plan: Plan) -> list[dict]:
-    # The same environment as _jobs.run_bpstrain, with this benchmark's worker command.
-    common = {
-        "DMLC_NUM_WORKER": str(len(layout.worker_hosts)),
-        "DMLC_NUM_SERVER": str(len(layout.server_hosts)),
-        "DMLC_PS_ROOT_URI": hosts.addr(layout.scheduler_host),
-        "DMLC_PS_ROOT_PORT": str(hosts.next_port()),
-        "DMLC_INTERFACE": hosts.ifname,
-        "BPSTRAIN_LAUNCH_PARENT": str(os.getpid()),
-        "KERAS_BACKEND": plan.backend,
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-    }
-    role_argv = [sys.executable, "-m", "bpstrain.launch"]
-    job = _jobs._Job(hosts)
-    job.start("scheduler", layout.scheduler_host, role_argv, _jobs.child_env({
-        **common, "DMLC_ROLE": "scheduler",
-        "DMLC_NODE_HOST": hosts.addr(layout.scheduler_host)}))
-    for j, host in enumerate(layout.server_hosts):
-        job.start(f"server{j}", host, role_argv, _jobs.child_env({
-            **common, "DMLC_ROLE": "server", "DMLC_NODE_HOST": hosts.addr(host)}))
-    for i, host in enumerate(layout.worker_hosts):
-        job.start(f"worker{i}", host, plan.worker_argv(), _jobs.child_env({
-            **common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i),
-            "BYTEPS_LOCAL_RANK": "0", "BYTEPS_LOCAL_SIZE": "1",
-            "DMLC_NODE_HOST": hosts.addr(host)}), worker=True)
-    return job.collect(plan.timeout_s)
+    return _jobs.run_ps_job(hosts, layout, plan.worker_argv(), plan.timeout_s,
+                            {"KERAS_BACKEND": plan.backend, "TF_CPP_MIN_LOG_LEVEL": "2"})
 
 
 def format_rows(rows: list[dict], plan: Plan) -> str:

@@ -72,32 +72,19 @@ def _worker_args(plan: TrainPlan, model: str) -> list[str]:
 
 def _run_bpstrain(hosts, plan: TrainPlan, model: str) -> list[dict]:
     n, k = plan.hosts, plan.servers
-    sched = 0 if plan.loopback else n + k
-    common = {"DMLC_NUM_WORKER": str(n), "DMLC_NUM_SERVER": str(k),
-              "DMLC_PS_ROOT_URI": hosts.addr(sched), "DMLC_PS_ROOT_PORT": str(hosts.next_port()),
-              "DMLC_INTERFACE": hosts.ifname, "BPSTRAIN_TIMEOUT": "60",
-              "BPSTRAIN_OP_TIMEOUT": str(int(plan.timeout_s))}
-    role = [sys.executable, "-m", "bpstrain.launch"]
-    job = _jobs._Job(hosts)
-    job.start("scheduler", sched, role, _jobs.child_env(
-        {**common, "DMLC_ROLE": "scheduler", "DMLC_NODE_HOST": hosts.addr(sched)}))
-    for j in range(k):
-        host = j if plan.loopback else n + j
-        job.start(f"server{j}", host, role, _jobs.child_env(
-            {**common, "DMLC_ROLE": "server", "DMLC_NODE_HOST": hosts.addr(host)}))
+    layout = _jobs.Layout(worker_hosts=list(range(n)),
+                          server_hosts=[j if plan.loopback else n + j for j in range(k)],
+                          scheduler_host=0 if plan.loopback else n + k)
     argv = [sys.executable, "-m", _WORKER, "--system", "bpstrain", *_worker_args(plan, model)]
-    for i in range(n):
-        job.start(f"worker{i}", i, argv, _jobs.child_env(
-            {**common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i), "BYTEPS_LOCAL_RANK": "0",
-             "BYTEPS_LOCAL_SIZE": "1", "DMLC_NODE_HOST": hosts.addr(i)}), worker=True)
-    return job.collect(plan.timeout_s)
+    return _jobs.run_ps_job(hosts, layout, argv, plan.timeout_s,
+                            {"BPSTRAIN_TIMEOUT": "60", "BPSTRAIN_OP_TIMEOUT": str(int(plan.timeout_s))})
 
 
 def _run_ddp(hosts, plan: TrainPlan, model: str) -> list[dict]:
     argv = [sys.executable, "-m", _WORKER, "--system", "ddp", "--addr", hosts.addr(0),
             "--port", str(hosts.next_port()), "--world-size", str(plan.hosts), "--ifname",
             hosts.ifname, "--timeout", str(plan.timeout_s), *_worker_args(plan, model)]
-    job = _jobs._Job(hosts)
+    job = _jobs.Job(hosts)
     for rank in range(plan.hosts):
         job.start(f"ddp{rank}", rank, [*argv, "--rank", str(rank)], _jobs.child_env({}),
                   worker=True)
