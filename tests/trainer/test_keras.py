@@ -18,6 +18,7 @@ def test_keras_model_fits_with_trainer_callbacks(tmp_path):
         def on_train_batch_end(self, batch, logs=None):
             self.count += 1
 
+    keras.utils.set_random_seed(0)  # unseeded init made the accuracy check flaky (0.77 once)
     x, y = blobs(256)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(4)])
