@@ -164,30 +164,37 @@ class Stager:
         return op
 
     def _push_loop(self) -> None:
+        # One op at a time: queueing the D2H copies of every waiting op before the first
+        # one's engine hand-off was measured slower on the H200 (a ResNet-50 step's
+        # exposed communication 10.5 ms vs 5.6 ms), so this stays the simple loop.
         while True:
             op = self._to_push.get()
             if op is None:
                 self._to_pull.put(None)  # after everything already queued for pulling
                 return
             try:
-                if op.check is not None:
-                    op.check_handle = engine.push_pull_async(op.check[0], op.name, average=False,
-                                                             out=op.check[0])
-                dtype = _tensors.engine_dtype(op.host)
-                for c, event in zip(op.chunks, self._copy_to_host(op)):
-                    if event is not None:
-                        event.synchronize()  # releases the GIL
-                    view = _tensors.host_view(op.host[c.start:c.stop], c.shape)
-                    if op.kind == "broadcast":
-                        h = engine.broadcast_async(view, op.root, c.name, out=view, dtype=dtype,
-                                                   priority=op.priority)
-                    else:
-                        h = engine.push_pull_async(view, c.name, op.average, op.priority, out=view,
-                                                   dtype=dtype)
-                    op.handles.append(h)
+                self._hand_to_engine(op, self._copy_to_host(op))
             except BaseException as exc:  # delivered to the caller at wait()
                 op.error = exc
             self._to_pull.put(op)
+
+    def _hand_to_engine(self, op: CudaOp, events: List[Optional[torch.cuda.Event]]) -> None:
+        """Starts the engine op of every chunk as soon as its D2H copy has landed."""
+        if op.check is not None:
+            op.check_handle = engine.push_pull_async(op.check[0], op.name, average=False,
+                                                     out=op.check[0])
+        dtype = _tensors.engine_dtype(op.host)
+        for c, event in zip(op.chunks, events):
+            if event is not None:
+                event.synchronize()  # releases the GIL
+            view = _tensors.host_view(op.host[c.start:c.stop], c.shape)
+            if op.kind == "broadcast":
+                h = engine.broadcast_async(view, op.root, c.name, out=view, dtype=dtype,
+                                           priority=op.priority)
+            else:
+                h = engine.push_pull_async(view, c.name, op.average, op.priority, out=view,
+                                           dtype=dtype)
+            op.handles.append(h)
 
     def _copy_to_host(self, op: CudaOp) -> List[Optional[torch.cuda.Event]]:
         """Queues the D2H copies of every chunk; returns one event per chunk."""

@@ -3,39 +3,52 @@
 #include <pthread.h>
 #include <sched.h>
 
-#include <fstream>
-#include <sstream>
+#include <cstdio>
+#include <cstdlib>
 
 #include "common.h"
 
 namespace bps {
 
 namespace {
+// stdio and strtol rather than iostreams: the engine stays off std::locale (see
+// ShapeString in common.cc for the crash that caused).
 std::string ReadFirstLine(const std::string& path) {
-  std::ifstream f(path);
   std::string line;
-  if (f) std::getline(f, line);
+  if (FILE* f = std::fopen(path.c_str(), "r")) {
+    char buf[4096];
+    if (std::fgets(buf, sizeof buf, f)) line = buf;
+    std::fclose(f);
+  }
+  while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
   return line;
+}
+
+// A whole non-negative decimal number, or -1.
+int ParseCount(const std::string& text) {
+  if (text.empty() || text.size() > 9) return -1;
+  char* end = nullptr;
+  long v = std::strtol(text.c_str(), &end, 10);
+  return (*end == '\0' && text[0] >= '0' && text[0] <= '9') ? static_cast<int>(v) : -1;
 }
 const char* kForms = "expected \"off\", \"auto\", \"node:N\" or \"cpus:0-3,8\"";
 }  // namespace
 
 std::vector<int> ParseCpuList(const std::string& list) {
   std::vector<int> cpus;
-  std::stringstream ss(list);
-  std::string part;
-  while (std::getline(ss, part, ',')) {
+  size_t start = 0;
+  while (start <= list.size()) {
+    size_t comma = list.find(',', start);
+    if (comma == std::string::npos) comma = list.size();
+    std::string part = list.substr(start, comma - start);
+    start = comma + 1;
     if (part.empty()) continue;
     size_t dash = part.find('-');
-    try {
-      int lo = std::stoi(part.substr(0, dash));
-      int hi = dash == std::string::npos ? lo : std::stoi(part.substr(dash + 1));
-      if (lo < 0 || hi < lo) throw std::invalid_argument("range");
-      for (int c = lo; c <= hi; ++c) cpus.push_back(c);
-    } catch (const std::exception&) {
-      throw Error(Error::kConfig, std::string("malformed CPU list; ") + kForms +
-                                      ". Received: " + list);
-    }
+    int lo = ParseCount(part.substr(0, dash));
+    int hi = dash == std::string::npos ? lo : ParseCount(part.substr(dash + 1));
+    if (lo < 0 || hi < lo || hi >= (1 << 16))
+      throw Error(Error::kConfig, std::string("malformed CPU list; ") + kForms + ". Received: " + list);
+    for (int c = lo; c <= hi; ++c) cpus.push_back(c);
   }
   return cpus;
 }

@@ -2,7 +2,6 @@
 
 #include <cstdlib>
 #include <mutex>
-#include <sstream>
 
 namespace bps {
 
@@ -53,15 +52,16 @@ void LogMessage(LogLevel level, const std::string& msg) {
 }
 
 std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::ostringstream os;
-  os << "(";
+  // Plain std::to_string, no iostreams: an ostringstream formats through the process's
+  // std::locale, and where the extension's libstdc++ headers differ from the runtime
+  // library loaded first (seen on the GPU machine, Python 3.12) that crashed the scheduler.
+  std::string out = "(";
   for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) os << ", ";
-    os << shape[i];
+    if (i) out += ", ";
+    out += std::to_string(shape[i]);
   }
-  if (shape.size() == 1) os << ",";
-  os << ")";
-  return os.str();
+  if (shape.size() == 1) out += ",";
+  return out + ")";
 }
 
 }  // namespace bps

@@ -93,3 +93,11 @@ CUDA_GROUPS = ["torch_checks_cuda"]
 def test_cuda_checks_on_2_workers(name):
     job = run_job(2, 1, CUDA_GROUPS, extra_env={"BYTEPS_PARTITION_BYTES": str(1 << 20)})
     _assert_check(job, name, 2)
+
+
+@pytest.mark.skipif(not _cuda_available(), reason="needs CUDA")
+@pytest.mark.timeout(300)
+def test_cuda_job_exits_cleanly():
+    """Every process of the CUDA job (scheduler and server included) exits with 0."""
+    proc, _ = run_job(2, 1, CUDA_GROUPS, extra_env={"BYTEPS_PARTITION_BYTES": str(1 << 20)})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
