@@ -339,7 +339,11 @@ void Scheduler::FailLocked(const std::string& msg) {
   FrameHeader h;
   h.type = static_cast<uint16_t>(MsgType::kPeerDead);
   std::string meta = MetaWriter().Str(msg).bytes();
-  for (auto& n : nodes_) try { n->conn->Send(h, meta); } catch (...) {}
+  // Workers first: a server exits on this notice and closes its data connections, and
+  // a worker should learn the real cause before it sees those close.
+  for (Role role : {Role::kWorker, Role::kServer})
+    for (auto& n : nodes_)
+      if (n->role == role) try { n->conn->Send(h, meta); } catch (...) {}
   cv_.notify_all();
 }
 

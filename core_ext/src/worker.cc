@@ -427,12 +427,23 @@ void Worker::ReceiverLoop(DataConn* c) {
       CompletePartLocked(t.handle, t.len);
       send_cv_.notify_all();
     }
-    if (!stopping_) Fail(Error::kPeer, c->link->peer() + " closed the connection (server died?)");
+    FailServerLost(c->link->peer() + " closed the connection (server died?)");
   } catch (const FrameError& e) {
     Fail(Error::kPeer, "malformed frame from " + c->link->peer() + ": " + e.what());
   } catch (const Error& e) {
-    if (!stopping_) Fail(Error::kPeer, e.what());
+    FailServerLost(e.what());
   }
+}
+
+void Worker::FailServerLost(const std::string& msg) {
+  // A server leaves when the scheduler declares another node dead, at about the moment
+  // the scheduler's notice reaches this worker's control connection. Give that notice
+  // a moment to arrive, so the error names the node that really died.
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait_for(lk, std::chrono::seconds(1), [&] { return failed_ || stopping_.load(); });
+  }
+  if (!stopping_) Fail(Error::kPeer, msg);
 }
 
 void Worker::CompletePartLocked(const std::shared_ptr<Handle>& h, int64_t) {

@@ -150,6 +150,7 @@ class Worker {
   void CompletePartLocked(const std::shared_ptr<Handle>& h, int64_t len);
   void FailHandleLocked(const std::shared_ptr<Handle>& h, Error::Kind kind, const std::string& msg);
   void Fail(Error::Kind kind, const std::string& msg);
+  void FailServerLost(const std::string& msg);  // a data connection broke
   std::shared_ptr<Handle> TakeHandle(int64_t id, bool* done);
   void SendDeclareLocked(Tensor& t);
   void StartLocalGroup(uint64_t job_id);
