@@ -17,12 +17,13 @@
 
 Run it with ``python -m bpstrain.launch --workers 4 --servers 2 -- python train.py``,
 or alone (``python train.py``: rank 0 of 1). Modules: :mod:`.ops` (collectives),
-:mod:`.optimizer`, :mod:`.functions` (broadcast helpers), :mod:`.parallel` (DDP),
+:mod:`.optimizer`, :mod:`.cross_barrier` (step() without the barrier), :mod:`.functions` (broadcast helpers), :mod:`.parallel` (DDP),
 :mod:`.compression`; CUDA staging lives in :mod:`._cuda`.
 """
 
 from bpstrain.torch import parallel
 from bpstrain.torch.compression import Compression
+from bpstrain.torch.cross_barrier import CrossBarrier
 from bpstrain.torch.functions import (broadcast_object, broadcast_optimizer_state,
                                       broadcast_parameters)
 from bpstrain.torch.ops import (broadcast, broadcast_, broadcast_async, broadcast_async_, declare,
@@ -32,7 +33,7 @@ from bpstrain.torch.ops import (broadcast, broadcast_, broadcast_async, broadcas
 from bpstrain.torch.optimizer import DistributedOptimizer
 
 __all__ = [
-    "Compression", "DistributedOptimizer", "broadcast", "broadcast_", "broadcast_async",
+    "Compression", "CrossBarrier", "DistributedOptimizer", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
     "declare", "distributed", "init", "is_initialized", "local_rank", "local_size", "parallel",
     "poll", "push_pull", "push_pull_async", "push_pull_async_inplace", "push_pull_inplace",

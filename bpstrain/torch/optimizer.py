@@ -138,6 +138,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._bps_active:
             self._bps_synchronized = True
             return
+        self._bps_launch_missing()
+        try:
+            for key, (p, handle, ctx) in list(self._bps_handles.items()):
+                self._bps_finish_param(p, handle, ctx)
+            for bucket in self._bps_buckets:
+                if bucket.handle is not None:
+                    bucket.finish(self._bps_compression, self._bps_had_grad)
+        finally:
+            self._bps_end_step()
+        self._bps_synchronized = True
+
+    def _bps_launch_missing(self):
+        """Starts the push_pulls whose hooks did not fire, so every rank issues the same set."""
         # Same set on every rank: what requires a gradient now, in parameter order.
         for p in self._bps_params():
             key = id(p)
@@ -152,25 +165,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if bucket.handle is None and any(q.requires_grad for q in bucket.params):
                 bucket.launch(self._bps_compression)
         self._bps_register_hooks()  # parameters unfrozen since construction
-        try:
-            for key, (p, handle, (compressed, cctx)) in list(self._bps_handles.items()):
-                ops.synchronize(handle)
-                if compressed is not p.grad:
-                    p.grad.copy_(self._bps_compression.decompress(compressed, cctx))
-                if self._bps_had_grad.get(key) is False and not bool(p.grad.any()):
-                    p.grad = None  # unused on every rank: leave it as a local run would
-            for bucket in self._bps_buckets:
-                if bucket.handle is not None:
-                    bucket.finish(self._bps_compression, self._bps_had_grad)
-        finally:
-            for key in self._bps_delay:
-                self._bps_delay[key] = self.backward_passes_per_step
-            for bucket in self._bps_buckets:
-                bucket.reset()
-            self._bps_handles.clear()
-            self._bps_fired.clear()
-            self._bps_had_grad.clear()
-        self._bps_synchronized = True
+
+    def _bps_finish_param(self, p, handle, ctx, had_grad=None):
+        """Waits for an unfused parameter's push_pull and leaves the average in ``p.grad``."""
+        compressed, cctx = ctx
+        ops.synchronize(handle)
+        if compressed is not p.grad:
+            p.grad.copy_(self._bps_compression.decompress(compressed, cctx))
+        had_grad = self._bps_had_grad if had_grad is None else had_grad
+        if had_grad.get(id(p)) is False and not bool(p.grad.any()):
+            p.grad = None  # unused on every rank: leave it as a local run would
+
+    def _bps_end_step(self, reset_buckets=True):
+        """Forgets this step's operations (the next backward starts afresh)."""
+        for key in self._bps_delay:
+            self._bps_delay[key] = self.backward_passes_per_step
+        for bucket in self._bps_buckets if reset_buckets else ():
+            bucket.reset()
+        self._bps_handles.clear()
+        self._bps_fired.clear()
+        self._bps_had_grad.clear()
 
     @contextmanager
     def skip_synchronize(self):
@@ -225,10 +239,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     Raises:
         ValueError: duplicate names, or parameters missing from ``named_parameters``.
     """
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               dict(_DistributedOptimizer.__dict__))
-    wrapped = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-                  fusion_threshold_bytes)
+    return _wrap(optimizer, _DistributedOptimizer.__dict__, named_parameters, compression,
+                 backward_passes_per_step, fusion_threshold_bytes)
+
+
+def _wrap(optimizer, methods, *args):
+    """An instance of a dynamic subclass of ``type(optimizer)`` with ``methods`` mixed in."""
+    if hasattr(optimizer, "_bps_names"):
+        raise ValueError("the optimizer is already a bpstrain DistributedOptimizer; wrap the "
+                         f"plain torch optimizer instead. Received: {type(optimizer).__name__}")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(methods))
+    wrapped = cls(optimizer.param_groups, *args)
     # The subclass was built from param_groups alone: keep the original's defaults (for
     # add_param_group) and any state it already had (e.g. loaded from a checkpoint).
     wrapped.defaults = dict(optimizer.defaults)

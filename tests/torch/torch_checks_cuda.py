@@ -9,6 +9,7 @@ from torch import nn
 import bpstrain.torch as bps
 import torch_checks_api as api
 import torch_checks_optim_state as optim_state
+import torch_checks_training as training
 from bpstrain.errors import MismatchError
 from bpstrain.torch import _cuda
 from bpstrain.torch.parallel import DistributedDataParallel
@@ -123,3 +124,14 @@ def check_cuda_ddp_averages():
     ddp(x).sum().backward()
     grads = bps.broadcast_object([p.grad.cpu() for p in model.parameters()], root_rank=0)
     assert all(torch.equal(p.grad.cpu(), g) for p, g in zip(model.parameters(), grads))
+
+
+def check_cuda_cross_barrier_equals_one_process():
+    """CrossBarrier on CUDA (staged, fused and unfused) == one process on the whole batch."""
+    device = _device()
+    for fusion in (0, 1 << 20):
+        ref, _, model, opt = training._cross_barrier_run(
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), fusion, device=device)
+        opt.synchronize()
+        diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
+        assert diff < 1e-9 and next(model.parameters()).is_cuda, (fusion, diff)

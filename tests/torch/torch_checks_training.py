@@ -240,3 +240,137 @@ def check_equivalence_n_workers_vs_one_process():
             opt.step()
         diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
         assert diff < 1e-5, (kind, diff)
+
+
+def _cross_barrier_run(make_opt, fusion, device="cpu", steps=5):
+    """Trains a small net with CrossBarrier on this rank's slice; returns (ref, model).
+
+    ``ref`` is one process on the whole batch with the same optimizer: after
+    synchronize() both must hold the same parameters (float64 keeps rounding out).
+    """
+    r, n = bps.rank(), bps.size()
+    batch = 4
+    torch.manual_seed(123)
+    data = torch.randn(n * batch, 6, dtype=torch.float64, device=device)
+    target = torch.randn(n * batch, 3, dtype=torch.float64, device=device)
+    mine = slice(r * batch, (r + 1) * batch)
+    torch.manual_seed(7)
+    ref = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 8), nn.Tanh(),
+                        nn.Linear(8, 3)).to(device, torch.float64)
+    model = copy.deepcopy(ref)
+    ref_opt = make_opt(ref.parameters())
+    opt = bps.CrossBarrier(model, make_opt(model.parameters()),
+                           named_parameters=model.named_parameters(),
+                           fusion_threshold_bytes=fusion)
+    for _ in range(steps):
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(data), target).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(data[mine]), target[mine]).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        # Nothing was updated yet: the next forward (or synchronize) applies the step.
+        assert opt.pending_updates() == len(before), opt.pending_updates()
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return ref, ref_opt, model, opt
+
+
+def check_cross_barrier_equals_one_process_sgd_adam_fused_or_not():
+    """CrossBarrier gives the single-process parameters (SGD+momentum, Adam; fused or not)."""
+    optimizers = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                  "adam": lambda ps: torch.optim.Adam(ps, lr=0.01)}
+    for kind, make_opt in optimizers.items():
+        for fusion in (0, 1 << 20):
+            ref, ref_opt, model, opt = _cross_barrier_run(make_opt, fusion)
+            opt.synchronize()
+            assert opt.pending_updates() == 0
+            pairs = list(zip(ref.parameters(), model.parameters()))
+            diff = max((a - b).abs().max().item() for a, b in pairs)
+            assert diff < 1e-9, (kind, fusion, diff)
+            # The per-parameter state (momentum, Adam's moments and step) matches too.
+            for a, b in pairs:
+                sa, sb = ref_opt.state[a], opt.state[b]
+                assert sorted(sa) == sorted(sb), (kind, sorted(sa), sorted(sb))
+                for name in sa:
+                    assert torch.allclose(torch.as_tensor(sa[name]), torch.as_tensor(sb[name]),
+                                          atol=1e-9), (kind, fusion, name)
+
+
+def check_cross_barrier_eval_forward_and_state_dict_apply_pending_updates():
+    ref, _, model, opt = _cross_barrier_run(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0)
+    x = torch.ones(2, 6, dtype=torch.float64)
+    with torch.no_grad():
+        model.eval()
+        got = model(x)  # every layer's pre-hook applies its pending update first
+    assert opt.pending_updates() == 0
+    assert torch.allclose(got, ref(x).detach(), atol=1e-9)
+    ref2, _, model2, opt2 = _cross_barrier_run(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 0)
+    state = opt2.state_dict()
+    assert opt2.pending_updates() == 0 and len(state["state"]) == len(list(model2.parameters()))
+    assert all(torch.allclose(a, b, atol=1e-9) for a, b in zip(ref2.parameters(), model2.parameters()))
+
+
+def check_cross_barrier_num_steps_last_step_is_a_barrier_and_zero_grad_is_deferred():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).double()
+    opt = bps.CrossBarrier(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           named_parameters=model.named_parameters(), num_steps=2)
+    x = torch.ones(3, 4, dtype=torch.float64)
+    model(x).sum().backward()
+    opt.step()
+    assert opt.pending_updates() == 4
+    opt.zero_grad()  # deferred: the pending gradients still carry the averages
+    assert all(p.grad is not None for p in model.parameters())
+    model(x).sum().backward()  # the forward applied the updates, then zeroed the grads
+    assert all(p.grad is not None for p in model.parameters())
+    opt.step()  # step 2 of num_steps=2: waits and applies everything
+    assert opt.pending_updates() == 0
+    # Gradient clipping: synchronize() after backward averages now, step() updates at once.
+    opt.zero_grad()
+    model(x * (bps.rank() + 1)).sum().backward()
+    opt.synchronize()
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+    with opt.skip_synchronize():
+        opt.step()
+    assert opt.pending_updates() == 0
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def check_cross_barrier_refuses_closure_double_wrap_and_parameters_used_outside_their_module():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.side = nn.Linear(3, 3)
+            self.head = nn.Linear(3, 1)
+
+        def forward(self, x):  # side.weight used without side's forward (no pre-hook)
+            return self.head(x @ self.side.weight.t())
+
+    torch.manual_seed(0)
+    model = Odd().double()
+    opt = bps.CrossBarrier(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           named_parameters=model.named_parameters())
+    try:
+        opt.step(lambda: 0.0)
+        raise AssertionError("a closure should be refused")
+    except ValueError as exc:
+        assert "closure" in str(exc)
+    try:
+        bps.CrossBarrier(model, opt)
+        raise AssertionError("wrapping a wrapped optimizer should be refused")
+    except ValueError as exc:
+        assert "already" in str(exc)
+    x = torch.ones(2, 3, dtype=torch.float64)
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    try:
+        model(x).sum().backward()
+        raise AssertionError("a parameter used outside its module went unnoticed")
+    except RuntimeError as exc:
+        assert "outside the forward of the module" in str(exc) and "side.weight" in str(exc)
+    opt.synchronize()  # the job stays usable: every rank raised at the same point
+    opt.zero_grad()
