@@ -38,10 +38,11 @@ def _build(args):
     return model, optimizer, data, target
 
 
-def _timed_steps(model, optimizer, data, target, iters, warmup):
+def _timed_steps(model, optimizer, data, target, iters, warmup, cross_barrier=False):
     import torch.nn.functional as F
 
     times, phases = [], []
+    explicit_sync = hasattr(optimizer, "synchronize") and not cross_barrier
     for i in range(warmup + iters):
         start = time.perf_counter()
         optimizer.zero_grad()
@@ -49,14 +50,18 @@ def _timed_steps(model, optimizer, data, target, iters, warmup):
         forward = time.perf_counter()
         loss.backward()
         backward = time.perf_counter()
-        if hasattr(optimizer, "synchronize"):  # bpstrain: wait for the gradients
+        if explicit_sync:  # bpstrain: wait for the gradients
             optimizer.synchronize()
         synced = time.perf_counter()
-        if hasattr(optimizer, "skip_synchronize"):
+        if explicit_sync:
             with optimizer.skip_synchronize():
                 optimizer.step()
         else:
-            optimizer.step()
+            optimizer.step()  # CrossBarrier: returns at once; the next forward waits
+        if cross_barrier and i in (warmup - 1, warmup + iters - 1):
+            # The warmup's updates must not spill into the first timed forward; the last
+            # step's updates count in its own time.
+            optimizer.synchronize()
         end = time.perf_counter()
         if i >= warmup:
             times.append(end - start)
@@ -74,10 +79,15 @@ def run_bpstrain(args):
     try:
         model, optimizer, data, target = _build(args)
         compression = bps.Compression.fp16 if args.fp16 else bps.Compression.none
-        optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                             compression=compression)
+        if args.cross_barrier:
+            optimizer = bps.CrossBarrier(model, optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression)
+        else:
+            optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                                 compression=compression)
         bps.broadcast_parameters(model.state_dict(), root_rank=0)
-        times = _timed_steps(model, optimizer, data, target, args.iters, args.warmup)
+        times = _timed_steps(model, optimizer, data, target, args.iters, args.warmup,
+                             args.cross_barrier)
         engine.barrier()
         return bps.rank(), bps.size(), times
     finally:
@@ -117,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--fp16", action="store_true", help="float16 gradients on the wire")
+    p.add_argument("--cross-barrier", action="store_true",
+                   help="bpstrain: CrossBarrier instead of DistributedOptimizer")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--addr"), p.add_argument("--port", type=int)
     p.add_argument("--rank", type=int), p.add_argument("--world-size", type=int)

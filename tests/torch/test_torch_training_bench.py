@@ -1,4 +1,4 @@
-"""bpstrain.bench.training: table helpers, and a short loopback run of both systems.
+"""bpstrain.bench.training: table helpers, and a short loopback run of every system.
 
 The emulated-cluster run (root, network namespaces) is the benchmark itself:
 ``python -m bpstrain.bench.training --model vgg16 --hosts 4 --servers 4 --rate-mbit 800``.
@@ -30,17 +30,19 @@ def test_table_has_one_line_per_row_and_the_ratio():
 
 
 @pytest.mark.timeout(240)
-def test_loopback_run_of_both_systems(tmp_path):
+def test_loopback_run_of_every_system(tmp_path):
     out = tmp_path / "rows.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "bpstrain.bench.training", "--loopback", "--model", "resnet50",
          "--hosts", "2", "--servers", "1", "--batch-size", "2", "--iters", "1", "--warmup", "0",
-         "--num-classes", "10", "--timeout", "200", "--json", str(out)],
+         "--num-classes", "10", "--timeout", "200", "--json", str(out),
+         "--systems", "bpstrain", "bpstrain-cb", "ddp"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [r["system"] for r in rows] == ["bpstrain", "ddp"]
-    assert all(r["samples_per_s"] > 0 for r in rows) and rows[1]["vs_ddp"] == 1.0
+    assert [r["system"] for r in rows] == ["bpstrain", "bpstrain-cb", "ddp"]
+    assert all(r["samples_per_s"] > 0 for r in rows) and rows[2]["vs_ddp"] == 1.0
+    assert rows[1]["servers"] == 1 and rows[2]["servers"] is None
     assert "samples/s" in proc.stdout

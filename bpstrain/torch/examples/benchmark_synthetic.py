@@ -28,6 +28,9 @@ from bpstrain.models import get_model
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="PyTorch synthetic benchmark (bpstrain)")
+    p.add_argument("--cross-barrier", action="store_true",
+                   help="bpstrain.torch.CrossBarrier: step() does not wait; each layer's "
+                        "update is applied right before its next forward")
     p.add_argument("--fp16-pushpull", action="store_true", help="push_pull gradients as float16")
     p.add_argument("--model", default="resnet50", help="a bpstrain.models name")
     p.add_argument("--batch-size", type=int, default=32, help="input batch size per worker")
@@ -64,12 +67,16 @@ class _Comm:
         else:
             self.rank, self.size, self.local_rank = 0, 1, 0
 
-    def wrap(self, model, optimizer, fp16):
+    def wrap(self, model, optimizer, fp16, cross_barrier=False):
         if self.mode == "bpstrain":
             bps = self.bps
             compression = bps.Compression.fp16 if fp16 else bps.Compression.none
-            optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                 compression=compression)
+            if cross_barrier:
+                optimizer = bps.CrossBarrier(model, optimizer, named_parameters=model.named_parameters(),
+                                             compression=compression)
+            else:
+                optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                                     compression=compression)
             bps.broadcast_parameters(model.state_dict(), root_rank=0)
             bps.broadcast_optimizer_state(optimizer, root_rank=0)
         elif self.mode == "ddp":
@@ -99,7 +106,10 @@ def main(argv=None):
     device = torch.device("cuda" if cuda else "cpu")
     model = get_model(args.model, num_classes=args.num_classes).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * comm.size)
-    model, optimizer = comm.wrap(model, optimizer, args.fp16_pushpull)
+    model, optimizer = comm.wrap(model, optimizer, args.fp16_pushpull, args.cross_barrier)
+    # CrossBarrier leaves the last updates for the next forward; a timed block ends
+    # with all of them applied so it holds every step's whole work.
+    finish = optimizer.synchronize if args.cross_barrier and comm.mode == "bpstrain" else (lambda: None)
     torch.manual_seed(comm.rank)
     data = torch.randn(args.batch_size, args.image_channels, args.image_size, args.image_size,
                        device=device)
@@ -114,6 +124,7 @@ def main(argv=None):
         def run():
             for _ in range(number):
                 benchmark_step()
+            finish()
             if cuda:
                 torch.cuda.synchronize()
         return timeit.timeit(run, number=1)
@@ -124,7 +135,8 @@ def main(argv=None):
 
     kind = "GPU" if cuda else "CPU"
     log(f"Model: {args.model}\nBatch size: {args.batch_size}\nMode: {args.mode}"
-        f"{' (fp16 push_pull)' if args.fp16_pushpull else ''}\nNumber of {kind}s: {comm.size}")
+        f"{' (fp16 push_pull)' if args.fp16_pushpull else ''}"
+        f"{' (cross-barrier)' if args.cross_barrier else ''}\nNumber of {kind}s: {comm.size}")
     log("Running warmup...")
     timed(args.num_warmup_batches)
     log("Running benchmark...")
