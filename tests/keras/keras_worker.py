@@ -5,7 +5,6 @@ one process because importing the backend costs seconds. Each rank prints one
 ``CHECK {json}`` line per check (name, rank, ok, error); the test reports them.
 """
 
-import json
 import os
 
 import keras
@@ -13,6 +12,7 @@ import numpy as np
 
 import bpstrain.keras as bps
 from bpstrain import engine
+from launched_job import report_checks  # this script's folder is on sys.path
 
 BACKEND = os.environ["KERAS_BACKEND"]
 STEPS = 4  # batches per epoch in the fit checks
@@ -213,14 +213,7 @@ def main():
     bps.init()
     r, n = bps.rank(), bps.size()
     assert keras.backend.backend() == BACKEND, keras.backend.backend()
-    for name, check in CHECKS:
-        try:
-            check(r, n)
-            ok, error = True, ""
-        except Exception as exc:  # reported per check; the next check still runs
-            ok, error = False, f"{type(exc).__name__}: {exc}"[-3000:]
-        print("CHECK " + json.dumps({"name": name, "rank": r, "ok": ok, "error": error}),
-              flush=True)
+    report_checks(CHECKS, r, n)
     bps.shutdown()
 
 

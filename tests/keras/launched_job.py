@@ -1,7 +1,7 @@
 """Runs a worker script as a real job through ``python -m bpstrain.launch`` (test helper).
 
 Shared by tests/keras and tests/tensorflow. Workers print ``CHECK {json}`` lines
-(name, rank, ok, error); :func:`launch` collects them.
+(name, rank, ok, error) with :func:`report_checks`; :func:`launch` collects them.
 """
 
 import json
@@ -12,6 +12,21 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def report_checks(checks, rank, size):
+    """Worker side: runs every ``(name, check)`` as ``check(rank, size)``, one line each.
+
+    A failing check is reported and the next one still runs.
+    """
+    for name, check in checks:
+        try:
+            check(rank, size)
+            ok, error = True, ""
+        except Exception as exc:  # reported per check; the next check still runs
+            ok, error = False, f"{type(exc).__name__}: {exc}"[-3000:]
+        print("CHECK " + json.dumps({"name": name, "rank": rank, "ok": ok, "error": error}),
+              flush=True)
 
 
 def launch(argv, workers, extra_env, timeout):

@@ -5,13 +5,17 @@ runs the same sequence of collective calls and prints one ``CHECK {json}`` line 
 check (name, rank, ok, error); the test reports them one by one.
 """
 
-import json
+import os
+import sys
 
 import numpy as np
 import tensorflow as tf
 
 import bpstrain.tensorflow as bps
 from bpstrain.tensorflow import _ops
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "keras"))
+from launched_job import report_checks  # noqa: E402
 
 DTYPES = [tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32,
           tf.float64]
@@ -209,14 +213,7 @@ def main():
     bps.init()
     r, n = bps.rank(), bps.size()
     assert 0 <= bps.local_rank() < bps.local_size() and n >= 2, (r, n)
-    for name, check in CHECKS:
-        try:
-            check(r, n)
-            ok, error = True, ""
-        except Exception as exc:  # reported per check; the next check still runs
-            ok, error = False, f"{type(exc).__name__}: {exc}"[-3000:]
-        print("CHECK " + json.dumps({"name": name, "rank": r, "ok": ok, "error": error}),
-              flush=True)
+    report_checks(CHECKS, r, n)
     bps.shutdown()
 
 
