@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import sys
 import time
@@ -79,12 +80,9 @@ def run_bpstrain(args):
     try:
         model, optimizer, data, target = _build(args)
         compression = bps.Compression.fp16 if args.fp16 else bps.Compression.none
-        if args.cross_barrier:
-            optimizer = bps.CrossBarrier(model, optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression)
-        else:
-            optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                 compression=compression)
+        # CrossBarrier takes the model first; otherwise both wrap alike.
+        wrap = functools.partial(bps.CrossBarrier, model) if args.cross_barrier else bps.DistributedOptimizer
+        optimizer = wrap(optimizer, named_parameters=model.named_parameters(), compression=compression)
         bps.broadcast_parameters(model.state_dict(), root_rank=0)
         times = _timed_steps(model, optimizer, data, target, args.iters, args.warmup,
                              args.cross_barrier)

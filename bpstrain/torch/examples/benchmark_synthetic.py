@@ -15,6 +15,7 @@ Prints BytePS's lines (``Iter #i: X img/sec per GPU``, ``Total img/sec on N GPU(
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import timeit
@@ -71,12 +72,9 @@ class _Comm:
         if self.mode == "bpstrain":
             bps = self.bps
             compression = bps.Compression.fp16 if fp16 else bps.Compression.none
-            if cross_barrier:
-                optimizer = bps.CrossBarrier(model, optimizer, named_parameters=model.named_parameters(),
-                                             compression=compression)
-            else:
-                optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                     compression=compression)
+            # CrossBarrier takes the model first; otherwise both wrap alike.
+            wrap = functools.partial(bps.CrossBarrier, model) if cross_barrier else bps.DistributedOptimizer
+            optimizer = wrap(optimizer, named_parameters=model.named_parameters(), compression=compression)
             bps.broadcast_parameters(model.state_dict(), root_rank=0)
             bps.broadcast_optimizer_state(optimizer, root_rank=0)
         elif self.mode == "ddp":
