@@ -237,7 +237,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             :mod:`bpstrain.torch._fusion`); 0 gives every parameter its own.
 
     Raises:
-        ValueError: duplicate names, or parameters missing from ``named_parameters``.
+        ValueError: duplicate names, parameters missing from ``named_parameters``, or an
+            optimizer that is already wrapped (its hooks would push_pull every gradient twice).
     """
     return _wrap(optimizer, _DistributedOptimizer.__dict__, named_parameters, compression,
                  backward_passes_per_step, fusion_threshold_bytes)
