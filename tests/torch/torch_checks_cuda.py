@@ -108,7 +108,7 @@ def check_cuda_optimizer_equivalence_and_state():
         opt.zero_grad()
         nn.functional.mse_loss(model(data[mine]), target[mine]).backward()
         opt.step()
-    diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
+    diff = training.max_param_diff(ref, model)
     assert diff < 1e-5, diff
     optim_state._run("Adam", dict(lr=0.01), device)
     optim_state._run("SGD", dict(lr=0.1, momentum=0.9), device, wrap=True)
@@ -133,5 +133,5 @@ def check_cuda_cross_barrier_equals_one_process():
         ref, _, model, opt = training._cross_barrier_run(
             lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), fusion, device=device)
         opt.synchronize()
-        diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
+        diff = training.max_param_diff(ref, model)
         assert diff < 1e-9 and next(model.parameters()).is_cuda, (fusion, diff)

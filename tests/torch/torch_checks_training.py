@@ -19,6 +19,11 @@ def _x(k, device="cpu", dtype=torch.float64):
     return torch.linspace(-1, 1, 8, dtype=dtype, device=device).reshape(2, 4) * (k + 1)
 
 
+def max_param_diff(a, b):
+    """Largest absolute difference between two models' parameters, in order."""
+    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+
+
 def _mean_grads(model, inputs):
     """Average over ranks k of the gradient of model(inputs[k]).sum(), computed locally."""
     ref = copy.deepcopy(model)
@@ -238,7 +243,7 @@ def check_equivalence_n_workers_vs_one_process():
             opt.zero_grad()
             nn.functional.mse_loss(net(data[mine]), target[mine]).backward()
             opt.step()
-        diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
+        diff = max_param_diff(ref, model)
         assert diff < 1e-5, (kind, diff)
 
 
@@ -286,7 +291,7 @@ def check_cross_barrier_equals_one_process_sgd_adam_fused_or_not():
             opt.synchronize()
             assert opt.pending_updates() == 0
             pairs = list(zip(ref.parameters(), model.parameters()))
-            diff = max((a - b).abs().max().item() for a, b in pairs)
+            diff = max_param_diff(ref, model)
             assert diff < 1e-9, (kind, fusion, diff)
             # The per-parameter state (momentum, Adam's moments and step) matches too.
             for a, b in pairs:
