@@ -7,11 +7,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <set>
+
 #include "../src/affinity.h"
 #include "../src/common.h"
 #include "../src/reduce.h"
 #include "../src/scheduler.h"
 #include "../src/server.h"
+#include "../src/tuning.h"
 #include "../src/worker.h"
 
 namespace py = pybind11;
@@ -109,11 +112,25 @@ PYBIND11_MODULE(_core, m) {
       py::arg("acc"), py::arg("src"), py::arg("dtype"),
       "acc (float32) += src (float16/bfloat16): what a server does per push of a half tensor.");
 
+  m.def("auto_partition_bytes", &AutoPartitionBytes, py::arg("link_bytes_per_s"), py::arg("tensor_bytes"),
+        py::arg("num_servers"), py::arg("elem_bytes") = 1,
+        "The partition size the scheduler picks when partition_bytes is 0 (auto).");
+  m.def(
+      "mixed_shares",
+      [](const std::vector<std::string>& server_hosts, const std::vector<std::string>& worker_hosts, bool mixed) {
+        return MixedShares(server_hosts, std::set<std::string>(worker_hosts.begin(), worker_hosts.end()), mixed);
+      },
+      py::arg("server_hosts"), py::arg("worker_hosts"), py::arg("mixed") = true,
+      "Fraction of the bytes each server holds, given each server's and worker's host.");
+
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init([](int workers, int servers, const std::string& host, int port,
-                       double rendezvous_timeout, double peer_timeout, const std::string& secret) {
+                       double rendezvous_timeout, double peer_timeout, const std::string& secret,
+                       int local_size, bool mixed_mode) {
              SchedulerOptions o;
              o.num_workers = workers;
+             o.local_size = local_size;
+             o.mixed_mode = mixed_mode;
              o.num_servers = servers;
              o.host = host;
              o.port = port;
@@ -124,7 +141,8 @@ PYBIND11_MODULE(_core, m) {
            }),
            py::arg("num_workers"), py::arg("num_servers"), py::arg("host") = "0.0.0.0",
            py::arg("port") = 0, py::arg("rendezvous_timeout") = 120.0,
-           py::arg("peer_timeout") = 30.0, py::arg("secret") = "")
+           py::arg("peer_timeout") = 30.0, py::arg("secret") = "", py::arg("local_size") = 0,
+           py::arg("mixed_mode") = true)
       .def_property_readonly("port", &Scheduler::port)
       .def("start", &Scheduler::Start)
       .def("wait", &WaitReleased<Scheduler>, py::arg("seconds"))
@@ -134,8 +152,9 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](const std::string& scheduler_host, int scheduler_port,
                        const std::string& listen_host, const std::string& advertise_host, int server_id,
                        int engine_threads, const std::string& numa, double rendezvous_timeout,
-                       const std::string& secret) {
+                       const std::string& secret, const std::string& host_id) {
              ServerOptions o;
+             o.host_id = host_id;
              o.scheduler_host = scheduler_host;
              o.scheduler_port = scheduler_port;
              o.listen_host = listen_host;
@@ -149,7 +168,8 @@ PYBIND11_MODULE(_core, m) {
            }),
            py::arg("scheduler_host"), py::arg("scheduler_port"), py::arg("listen_host") = "0.0.0.0",
            py::arg("advertise_host") = "", py::arg("server_id") = -1, py::arg("engine_threads") = 2,
-           py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "")
+           py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
+           py::arg("host_id") = "")
       .def_property_readonly("port", &Server::port)
       .def("start", &Server::Start)
       .def("wait", &WaitReleased<Server>, py::arg("seconds"))
@@ -159,9 +179,11 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](const std::string& scheduler_host, int scheduler_port, int64_t rank_hint,
                        int local_rank, int local_size, int64_t partition_bytes, int64_t credit_bytes,
                        int connections_per_server, bool priority, const std::string& numa,
-                       double rendezvous_timeout, const std::string& secret, bool hierarchical,
-                       int socket_send_buffer) {
+                       double rendezvous_timeout, const std::string& secret, int hierarchical,
+                       int socket_send_buffer, const std::string& advertise_host, const std::string& host_id) {
              WorkerOptions o;
+             o.advertise_host = advertise_host;
+             o.host_id = host_id;
              o.hierarchical = hierarchical;
              o.socket_send_buffer = socket_send_buffer;
              o.scheduler_host = scheduler_host;
@@ -179,15 +201,22 @@ PYBIND11_MODULE(_core, m) {
              return std::make_unique<Worker>(o);
            }),
            py::arg("scheduler_host"), py::arg("scheduler_port"), py::arg("rank_hint") = -1,
-           py::arg("local_rank") = 0, py::arg("local_size") = 1, py::arg("partition_bytes") = 4 << 20,
+           py::arg("local_rank") = 0, py::arg("local_size") = 1, py::arg("partition_bytes") = 0,
            py::arg("credit_bytes") = 0, py::arg("connections_per_server") = 1, py::arg("priority") = true,
            py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
-           py::arg("hierarchical") = false, py::arg("socket_send_buffer") = 128 << 10)
+           py::arg("hierarchical") = static_cast<int>(WorkerOptions::kAuto), py::arg("socket_send_buffer") = 128 << 10,
+           py::arg("advertise_host") = "", py::arg("host_id") = "")
       .def("start", &Worker::Start)
       .def("wait_ready", &Worker::WaitReady, py::arg("seconds"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Worker::rank)
       .def_property_readonly("size", &Worker::size)
       .def_property_readonly("num_servers", &Worker::num_servers)
+      .def_property_readonly("link_bytes_per_s", [](Worker& w) { return w.link().bytes_per_s; },
+                             "Link rate measured at rendezvous (0 when partitions and credit were set).")
+      .def_property_readonly("link_rtt_s", [](Worker& w) { return w.link().rtt_s; })
+      .def_property_readonly("credit_bytes", &Worker::credit_bytes)
+      .def_property_readonly("hierarchical", &Worker::hierarchical,
+                             "True when this worker reduces through its host's shared memory.")
       .def(
           "declare",
           [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape) {
@@ -228,6 +257,8 @@ PYBIND11_MODULE(_core, m) {
       .def("wait", &Worker::WaitFor, py::arg("handle"), py::arg("seconds"),
            py::call_guard<py::gil_scoped_release>())
       .def("describe", &Worker::Describe, py::arg("handle"))
+      .def("partitions", &Worker::Partitions, py::arg("name"),
+           "(offset, bytes, server) of each partition of a placed tensor; [] before that.")
       .def("stats",
            [](Worker& w) {
              WorkerStats s = w.stats();

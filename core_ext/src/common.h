@@ -61,6 +61,11 @@ inline void LogInfo(const std::string& m) { LogMessage(LogLevel::kInfo, m); }
 inline void LogDebug(const std::string& m) { LogMessage(LogLevel::kDebug, m); }
 
 using Clock = std::chrono::steady_clock;
+// Wall-clock microseconds (system_clock): timestamps of the communication timeline.
+inline int64_t WallMicros() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::system_clock::now().time_since_epoch()).count();
+}
 inline double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }

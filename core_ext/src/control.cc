@@ -37,6 +37,7 @@ Welcome ControlClient::Connect(const std::string& host, int port, const NodeInfo
   MetaWriter w;
   w.U32(static_cast<uint32_t>(me.role)).I64(me.rank_hint).U32(static_cast<uint32_t>(me.listen_port));
   w.Str(me.advertise_host).Str(SecretToken(me.secret)).I64(getpid()).Str(hostname);
+  w.U32(static_cast<uint32_t>(me.local_size)).Str(me.host_id);
   FrameHeader h;
   h.type = static_cast<uint16_t>(MsgType::kHello);
   conn_->Send(h, w.bytes());
@@ -66,6 +67,8 @@ Welcome ControlClient::Connect(const std::string& host, int port, const NodeInfo
   MetaReader rd(meta);
   if (r.type == static_cast<uint16_t>(MsgType::kError))
     throw Error(Error::kConfig, "the scheduler refused this node: " + rd.Str());
+  if (r.type == static_cast<uint16_t>(MsgType::kPeerDead))
+    throw Error(Error::kPeer, "the job failed during rendezvous: " + rd.Str());
   if (r.type != static_cast<uint16_t>(MsgType::kWelcome))
     throw Error(Error::kPeer, "unexpected frame type " + std::to_string(r.type) + " during rendezvous");
   Welcome wel;

@@ -27,12 +27,15 @@ struct NodeInfo {
   int listen_port = 0;         // servers: their data port
   std::string advertise_host;  // "" = the scheduler uses the address it sees
   std::string secret;
+  int local_size = 1;          // workers: processes on this worker host (BYTEPS_LOCAL_SIZE)
+  std::string host_id;         // which machine this is ("" = advertise_host or the address
+                               // the scheduler sees); co-located servers share a worker's id
 };
 
 // What the scheduler answers in kWelcome.
 struct Welcome {
   int64_t rank = -1;
-  int num_workers = 0;
+  int num_workers = 0;  // worker processes: worker hosts x local size
   int num_servers = 0;
   std::vector<std::pair<std::string, int>> servers;  // index = server id
   uint64_t job_id = 0;  // random per job: names host-local shared memory

@@ -139,6 +139,7 @@ struct LocalGroup::PendingOp {
   int state = 0;
   int64_t sub = -1;
   size_t slice_off = 0, slice_len = 0;  // bytes
+  int64_t reduced_us = 0;                // this rank's slice is reduced (timeline)
 };
 
 LocalGroup::LocalGroup(const Layout& layout, Hooks hooks, std::vector<int> cpus)
@@ -215,7 +216,7 @@ void LocalGroup::Loop() {
         }
         progress |= Advance(op);
       } catch (const Error& e) {
-        hooks_.complete(op.handle, e.kind(), "tensor '" + op.req.name + "': " + e.what());
+        hooks_.complete(op.handle, e.kind(), "tensor '" + op.req.name + "': " + e.what(), op.reduced_us);
         op.state = 4;
         progress = true;
       }
@@ -223,7 +224,7 @@ void LocalGroup::Loop() {
     }
     if (!progress) FutexWait(bell_, seen, active.empty() ? 50'000'000 : 2'000'000);
   }
-  for (auto& op : active) hooks_.complete(op->handle, Error::kShutdown, "shut down during a hierarchical push_pull");
+  for (auto& op : active) hooks_.complete(op->handle, Error::kShutdown, "shut down during a hierarchical push_pull", 0);
 }
 
 bool LocalGroup::Advance(PendingOp& op) {
@@ -275,6 +276,7 @@ bool LocalGroup::Advance(PendingOp& op) {
     } else {
       s.Seq(1, me).store(r + 1, std::memory_order_release);
       Ring();
+      op.reduced_us = WallMicros();
       op.state = 3;
     }
     progress = true;
@@ -287,6 +289,7 @@ bool LocalGroup::Advance(PendingOp& op) {
     if (st < 0) throw Error(kind, err);
     s.Seq(1, me).store(r + 1, std::memory_order_release);
     Ring();
+    op.reduced_us = WallMicros();
     op.state = 3;
     progress = true;
   }
@@ -296,7 +299,7 @@ bool LocalGroup::Advance(PendingOp& op) {
     if (req.op == Op::kAverage) DivideInPlace(req.dtype, req.output, s.nbytes / esize, layout_.world_size);
     s.Seq(2, me).store(r + 1, std::memory_order_release);
     Ring();
-    hooks_.complete(op.handle, Error::kGeneric, "");
+    hooks_.complete(op.handle, Error::kGeneric, "", op.reduced_us);
     op.state = 4;
     progress = true;
   }

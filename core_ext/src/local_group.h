@@ -36,8 +36,9 @@ class LocalGroup {
     std::function<int64_t(const OpRequest&)> enqueue;
     // 0 = running, 1 = done, -1 = failed (kind/message out). Forgets finished handles.
     std::function<int(int64_t, Error::Kind* kind, std::string* error)> poll;
-    // Finishes the user's operation (error empty = success).
-    std::function<void(int64_t, Error::Kind, const std::string& error)> complete;
+    // Finishes the user's operation (error empty = success); `reduced_us` is when the
+    // reduced result of this rank's slice was ready (WallMicros, 0 if never).
+    std::function<void(int64_t, Error::Kind, const std::string& error, int64_t reduced_us)> complete;
   };
   struct Layout {
     uint64_t job_id;

@@ -1,7 +1,11 @@
 #include "scheduler.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <random>
+#include <set>
+
+#include "tuning.h"
 
 namespace bps {
 
@@ -15,6 +19,8 @@ struct Scheduler::Node {
   std::string host;  // address others use to reach a server
   int64_t pid = 0;
   std::string hostname;
+  int local_size = 1;    // workers: BYTEPS_LOCAL_SIZE of its host
+  std::string host_key;  // which machine it runs on: BPSTRAIN_HOST_ID or its address
   bool goodbye = false;
   bool registered = false;
   Clock::time_point last_seen = Clock::now();
@@ -29,11 +35,15 @@ Scheduler::Scheduler(const SchedulerOptions& opts)
     : opts_(opts), listener_(opts.host, opts.port) {
   std::random_device rd;
   job_id_ = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(Clock::now().time_since_epoch().count());
-  if (opts.num_workers < 1 || opts.num_servers < 1)
-    throw Error(Error::kConfig, "a job needs at least one worker and one server. Received: workers=" +
+  if (opts.num_workers < 1 || opts.num_servers < 1 || opts.local_size < 0)
+    throw Error(Error::kConfig, "a job needs at least one worker host and one server. Received: workers=" +
                                     std::to_string(opts.num_workers) +
-                                    ", servers=" + std::to_string(opts.num_servers));
+                                    ", servers=" + std::to_string(opts.num_servers) +
+                                    ", local_size=" + std::to_string(opts.local_size));
   server_load_.assign(opts.num_servers, 0);
+  server_share_.assign(opts.num_servers, 1.0 / opts.num_servers);
+  local_size_ = opts.local_size;
+  if (local_size_ > 0) num_workers_ = opts.num_workers * local_size_;
 }
 
 Scheduler::~Scheduler() { Stop(); }
@@ -111,7 +121,10 @@ bool Scheduler::Handshake(const std::shared_ptr<Node>& node) {
   std::string token = r.Str();
   node->pid = r.I64();
   node->hostname = r.Str();
+  node->local_size = static_cast<int>(r.U32());
+  std::string host_id = r.Str();
   node->host = advertise.empty() ? node->peer_ip : advertise;
+  node->host_key = host_id.empty() ? node->host : host_id;
   node->conn->SetRecvTimeout(0);
   if (token != SecretToken(opts_.secret)) {
     LogWarn("refused a " + std::string(RoleName(node->role)) + " from " + node->peer_ip +
@@ -121,9 +134,23 @@ bool Scheduler::Handshake(const std::shared_ptr<Node>& node) {
     return false;
   }
   std::lock_guard<std::mutex> lk(mu_);
+  if (node->role == Role::kWorker) {
+    if (node->local_size < 1 || node->local_size > 4096)
+      throw FrameError("hello with local size " + std::to_string(node->local_size));
+    if (local_size_ == 0) {  // the first worker tells how many processes each host runs
+      local_size_ = node->local_size;
+      num_workers_ = opts_.num_workers * local_size_;
+    } else if (node->local_size != local_size_) {
+      std::string why = "every worker host must run the same number of processes: this job has "
+                        "BYTEPS_LOCAL_SIZE=" + std::to_string(local_size_);
+      LogWarn("refused a worker from " + node->peer_ip + ": " + why);
+      SendError(node, why + ". Received: BYTEPS_LOCAL_SIZE=" + std::to_string(node->local_size));
+      return false;
+    }
+  }
   int have = 0;
   for (auto& n : nodes_) have += n->role == node->role;
-  int want = node->role == Role::kServer ? opts_.num_servers : opts_.num_workers;
+  int want = WantLocked(node->role);
   std::string dup;
   for (auto& n : nodes_)
     if (n->role == node->role && node->rank_hint >= 0 && n->rank_hint == node->rank_hint)
@@ -141,14 +168,44 @@ bool Scheduler::Handshake(const std::shared_ptr<Node>& node) {
   node->registered = true;
   node->last_seen = Clock::now();
   nodes_.push_back(node);
-  if (static_cast<int>(nodes_.size()) == opts_.num_workers + opts_.num_servers) CompleteRendezvousLocked();
+  // num_workers_ is 0 until the first worker says how many processes its host runs.
+  if (num_workers_ > 0 && static_cast<int>(nodes_.size()) == num_workers_ + opts_.num_servers)
+    CompleteRendezvousLocked();
   return true;
+}
+
+int Scheduler::WantLocked(Role role) const {
+  return role == Role::kServer ? opts_.num_servers : num_workers_;
+}
+
+void Scheduler::ComputeSharesLocked() {
+  std::vector<std::string> server_hosts(opts_.num_servers);
+  std::set<std::string> worker_hosts;
+  for (auto& n : nodes_) {
+    if (n->role == Role::kServer) server_hosts[n->rank] = n->host_key;
+    else worker_hosts.insert(n->host_key);
+  }
+  server_share_ = MixedShares(server_hosts, worker_hosts, opts_.mixed_mode);
+  int colocated = 0;
+  double dedicated = 0;
+  for (int s = 0; s < opts_.num_servers; ++s) {
+    if (worker_hosts.count(server_hosts[s])) ++colocated;
+    else dedicated += server_share_[s];
+  }
+  if (colocated == 0 || worker_hosts.size() <= 1) return;
+  char line[200];
+  std::snprintf(line, sizeof line,
+                "mixed mode%s: %d of %d servers share hosts with workers (%zu worker hosts); "
+                "%.3f of the bytes go to the dedicated servers",
+                opts_.mixed_mode ? "" : " off (BYTEPS_ENABLE_MIXED_MODE=0)", colocated,
+                opts_.num_servers, worker_hosts.size(), dedicated);
+  LogInfo(line);
 }
 
 void Scheduler::CompleteRendezvousLocked() {
   // Honour requested ranks, then fill the gaps in arrival order.
   for (Role role : {Role::kServer, Role::kWorker}) {
-    int want = role == Role::kServer ? opts_.num_servers : opts_.num_workers;
+    int want = WantLocked(role);
     std::vector<bool> taken(want, false);
     for (auto& n : nodes_)
       if (n->role == role && n->rank_hint >= 0) taken[n->rank = n->rank_hint] = true;
@@ -163,9 +220,10 @@ void Scheduler::CompleteRendezvousLocked() {
   std::vector<std::shared_ptr<Node>> servers(opts_.num_servers);
   for (auto& n : nodes_)
     if (n->role == Role::kServer) servers[n->rank] = n;
+  ComputeSharesLocked();
   for (auto& n : nodes_) {
     MetaWriter w;
-    w.I64(n->rank).U32(opts_.num_workers).U32(opts_.num_servers);
+    w.I64(n->rank).U32(num_workers_).U32(opts_.num_servers);
     for (auto& s : servers) w.Str(s->host).U32(static_cast<uint32_t>(s->listen_port));
     w.I64(static_cast<int64_t>(job_id_));
     FrameHeader h;
@@ -176,7 +234,7 @@ void Scheduler::CompleteRendezvousLocked() {
     }  // its reader thread reports the loss
   }
   rendezvous_done_ = true;
-  LogInfo("rendezvous complete: " + std::to_string(opts_.num_workers) + " workers, " +
+  LogInfo("rendezvous complete: " + std::to_string(num_workers_) + " workers, " +
           std::to_string(opts_.num_servers) + " servers");
 }
 
@@ -210,7 +268,7 @@ void Scheduler::HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader
       return HandleDeclare(node, meta);
     case MsgType::kBarrier: {
       std::lock_guard<std::mutex> lk(mu_);
-      if (++barrier_count_ < opts_.num_workers) return;
+      if (++barrier_count_ < num_workers_) return;
       barrier_count_ = 0;
       FrameHeader r;
       r.type = static_cast<uint16_t>(MsgType::kBarrierReply);
@@ -222,7 +280,7 @@ void Scheduler::HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader
       std::lock_guard<std::mutex> lk(mu_);
       if (node->role != Role::kWorker || node->goodbye) return;
       node->goodbye = true;
-      if (++goodbyes_ < opts_.num_workers) return;
+      if (++goodbyes_ < num_workers_) return;
       FrameHeader r;
       r.type = static_cast<uint16_t>(MsgType::kTerminate);
       for (auto& n : nodes_)
@@ -244,8 +302,10 @@ void Scheduler::HandleDeclare(const std::shared_ptr<Node>& node, const std::stri
   d.shape = r.I64Vec();
   d.partition_bytes = r.I64();
   d.participants = static_cast<int>(r.U32());
-  if (!ValidDType(d.dtype) || d.partition_bytes <= 0 || d.participants < 1 || d.participants > opts_.num_workers)
-    throw FrameError("declare with bad dtype/partition/participants");
+  d.link_bytes_per_s = r.I64();
+  if (!ValidDType(d.dtype) || d.partition_bytes < 0 || d.participants < 1 || d.participants > num_workers_ ||
+      d.link_bytes_per_s < 0)
+    throw FrameError("declare with bad dtype/partition/participants/link");
   std::lock_guard<std::mutex> lk(mu_);
   if (node->role != Role::kWorker) throw FrameError("declare from a non-worker");
   auto& pend = pending_decls_[name];
@@ -278,9 +338,15 @@ void Scheduler::HandleDeclare(const std::shared_ptr<Node>& node, const std::stri
   if (!error.empty()) {
     w.U32(1).Str(error + ". Use the same shape and dtype on every rank (or another name).");
   } else {
-    if (reg == registry_.end())
-      reg = registry_.emplace(name, Tensor{next_tensor_id_, *ref, PlaceLocked(next_tensor_id_, *ref)}).first,
+    if (reg == registry_.end()) {
+      // An auto partition size follows the slowest participant's link.
+      Declaration placed = *ref;
+      for (auto& [rank, decl] : pend)
+        if (decl.link_bytes_per_s > 0 && (placed.link_bytes_per_s == 0 || decl.link_bytes_per_s < placed.link_bytes_per_s))
+          placed.link_bytes_per_s = decl.link_bytes_per_s;
+      reg = registry_.emplace(name, Tensor{next_tensor_id_, *ref, PlaceLocked(next_tensor_id_, placed)}).first;
       ++next_tensor_id_;
+    }
     w.U32(0);
     std::string bytes = w.bytes() + reg->second.placement;
     w = MetaWriter();
@@ -305,15 +371,23 @@ std::string Scheduler::PlaceLocked(int64_t id, const Declaration& d) {
   const int64_t total = elems * esize;
   // Partitions hold whole elements; an empty tensor still gets one (empty) partition so
   // the round structure stays the same.
-  int64_t part = std::max<int64_t>(esize, d.partition_bytes / esize * esize);
+  int64_t part = d.partition_bytes > 0
+                     ? std::max<int64_t>(esize, d.partition_bytes / esize * esize)
+                     : AutoPartitionBytes(static_cast<double>(d.link_bytes_per_s), total, opts_.num_servers, esize);
   int64_t nparts = std::max<int64_t>(1, (total + part - 1) / part);
   MetaWriter w;
   w.I64(id).U32(static_cast<uint32_t>(nparts));
   for (int64_t p = 0; p < nparts; ++p) {
     int64_t off = p * part, len = std::min(part, total - off);
-    // Byte-balanced placement: the least-loaded server takes the next partition.
-    int server = static_cast<int>(std::min_element(server_load_.begin(), server_load_.end()) -
-                                  server_load_.begin());
+    // Byte-balanced placement: the next partition goes to the server that stays furthest
+    // below its share (equal shares, or mixed mode's) with it.
+    int server = 0;
+    double best = 0;
+    for (int s = 0; s < opts_.num_servers; ++s) {
+      if (server_share_[s] <= 0) continue;
+      double fill = static_cast<double>(server_load_[s] + std::max<int64_t>(len, 1)) / server_share_[s];
+      if (best == 0 || fill < best) best = fill, server = s;
+    }
     server_load_[server] += std::max<int64_t>(len, 1);
     w.I64(off).I64(len).U32(static_cast<uint32_t>(server));
   }
@@ -358,7 +432,10 @@ void Scheduler::MonitorLoop() {
         for (auto& n : nodes_) (n->role == Role::kWorker ? w : s)++;
         failure_kind_ = Error::kTimeout;
         FailLocked("rendezvous timed out after " + std::to_string(static_cast<int>(opts_.rendezvous_timeout)) +
-                   " s: " + std::to_string(w) + "/" + std::to_string(opts_.num_workers) + " workers and " +
+                   " s: " + std::to_string(w) + "/" +
+                   (num_workers_ ? std::to_string(num_workers_)
+                                 : std::to_string(opts_.num_workers) + " hosts x BYTEPS_LOCAL_SIZE") +
+                   " workers and " +
                    std::to_string(s) + "/" + std::to_string(opts_.num_servers) + " servers joined");
       }
       continue;

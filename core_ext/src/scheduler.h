@@ -24,8 +24,13 @@
 namespace bps {
 
 struct SchedulerOptions {
+  // BytePS's rule: DMLC_NUM_WORKER counts worker *hosts*, each running local_size worker
+  // processes, so the job has num_workers x local_size workers. local_size 0 = learn it
+  // from the workers' hellos (BYTEPS_LOCAL_SIZE; every worker must agree).
   int num_workers = 1;
+  int local_size = 0;
   int num_servers = 1;
+  bool mixed_mode = true;  // co-located servers (on worker hosts) get BytePS's mixed share
   std::string host = "0.0.0.0";
   int port = 0;
   double rendezvous_timeout = 120.0;  // seconds until every node must have joined
@@ -49,8 +54,9 @@ class Scheduler {
   struct Declaration {
     int dtype;
     std::vector<int64_t> shape;
-    int64_t partition_bytes;
+    int64_t partition_bytes;  // 0 = auto (from link_bytes_per_s)
     int participants;  // ranks that declare it: all, or one per host for hierarchical slices
+    int64_t link_bytes_per_s = 0;  // the declaring worker's measured link; not compared
     bool operator==(const Declaration& o) const {
       return dtype == o.dtype && shape == o.shape && partition_bytes == o.partition_bytes &&
              participants == o.participants;
@@ -68,6 +74,8 @@ class Scheduler {
   void HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader& h, const std::string& meta);
   void HandleDeclare(const std::shared_ptr<Node>& node, const std::string& meta);
   void CompleteRendezvousLocked();
+  void ComputeSharesLocked();
+  int WantLocked(Role role) const;
   void OnDisconnect(const std::shared_ptr<Node>& node, const std::string& why);
   void FailLocked(const std::string& msg);
   void MonitorLoop();
@@ -90,6 +98,9 @@ class Scheduler {
   std::map<std::string, std::map<int64_t, Declaration>> pending_decls_;
   std::map<std::string, Tensor> registry_;
   std::vector<int64_t> server_load_;
+  std::vector<double> server_share_;  // fraction of all bytes each server should hold
+  int local_size_ = 0;                // learned from the first worker unless configured
+  int num_workers_ = 0;               // worker processes, once local_size_ is known
   int64_t next_tensor_id_ = 0;
   int barrier_count_ = 0;
   int goodbyes_ = 0;

@@ -80,6 +80,7 @@ void Server::Run() {
     me.listen_port = listener_.port();
     me.advertise_host = opts_.advertise_host;
     me.secret = opts_.secret;
+    me.host_id = opts_.host_id;
     Welcome w = control_.Connect(
         opts_.scheduler_host, opts_.scheduler_port, me, opts_.rendezvous_timeout,
         [this](const FrameHeader& h, const std::string& m) { OnControl(h, m); },
@@ -184,6 +185,18 @@ void Server::ServeConnection(std::shared_ptr<Conn> conn) {
     link.SetRecvTimeout(0);
     conn->writer = std::thread([conn] { conn->WriterLoop(); });
     while (link.RecvFrame(&h, &meta, kMaxBodyLen)) {
+      if (h.type == static_cast<uint16_t>(MsgType::kProbe)) {
+        // Link measurement at rendezvous: the body is thrown away, the reply says it came.
+        if (h.body_len > kMaxProbeBytes)
+          throw FrameError("probe of " + std::to_string(h.body_len) + " bytes exceeds " +
+                           std::to_string(kMaxProbeBytes));
+        link.DiscardBody(h.body_len);
+        FrameHeader reply;
+        reply.type = static_cast<uint16_t>(MsgType::kProbeReply);
+        reply.key = h.key;
+        conn->Enqueue(OutFrame{reply, "", nullptr});
+        continue;
+      }
       if (h.type != static_cast<uint16_t>(MsgType::kPush))
         throw FrameError("unexpected frame type " + std::to_string(h.type) + " on a data connection");
       const int dtype = h.flags >> 8;

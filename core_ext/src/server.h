@@ -32,6 +32,7 @@ struct ServerOptions {
   int scheduler_port = 0;
   std::string listen_host = "0.0.0.0";
   std::string advertise_host;  // DMLC_NODE_HOST; "" = what the scheduler sees
+  std::string host_id;         // machine identity for mixed mode; "" = the address
   int server_id = -1;          // -1 = assigned by the scheduler
   int engine_threads = 2;
   std::string numa = "auto";

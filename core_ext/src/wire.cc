@@ -10,7 +10,7 @@ void CheckHeader(const FrameHeader& h, uint64_t max_body) {
       return std::string(b);
     }() + " (not a bpstrain peer?)");
   if (h.type < static_cast<uint16_t>(MsgType::kHello) ||
-      h.type > static_cast<uint16_t>(MsgType::kServerHello))
+      h.type > static_cast<uint16_t>(MsgType::kProbeReply))
     throw FrameError("unknown frame type " + std::to_string(h.type));
   if (h.meta_len > kMaxMetaLen)
     throw FrameError("metadata of " + std::to_string(h.meta_len) + " bytes exceeds the limit of " +

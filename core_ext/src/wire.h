@@ -17,6 +17,7 @@ namespace bps {
 constexpr uint32_t kFrameMagic = 0x31535042;  // "BPS1" little-endian
 constexpr uint32_t kMaxMetaLen = 1 << 20;     // 1 MiB of metadata is far beyond any real frame
 constexpr uint64_t kMaxBodyLen = 1ull << 31;  // one partition never exceeds 2 GiB
+constexpr uint64_t kMaxProbeBytes = 4u << 20; // one link-probe frame
 
 enum class MsgType : uint16_t {
   kHello = 1,         // node -> scheduler: role, rank hint, listen port, secret proof
@@ -33,6 +34,8 @@ enum class MsgType : uint16_t {
   kPush = 12,         // worker -> server: one partition of one round
   kPullReply = 13,    // server -> worker: the reduced partition of that round
   kServerHello = 14,  // worker -> server: identifies the worker on a data connection
+  kProbe = 15,        // worker -> server: `body_len` bytes that only measure the link
+  kProbeReply = 16,   // server -> worker: the probe's body has fully arrived
 };
 
 // Flags of kPush frames.

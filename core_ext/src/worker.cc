@@ -1,6 +1,8 @@
 #include "worker.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdio>
 
 #include "affinity.h"
 #include "local_group.h"
@@ -21,14 +23,8 @@ struct Worker::Handle {
   int64_t bytes = 0;
   int64_t enqueued_us = 0, push_begin_us = 0, push_end_us = 0, pull_begin_us = 0;
   int sent = 0;
+  bool local_group = false;  // hierarchical: reduced by the host's local group
 };
-
-namespace {
-int64_t WallMicros() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(
-             std::chrono::system_clock::now().time_since_epoch()).count();
-}
-}  // namespace
 
 struct Worker::Tensor {
   std::string name;
@@ -51,9 +47,12 @@ std::string Describe(DType d, const std::vector<int64_t>& s) {
 }  // namespace
 
 Worker::Worker(const WorkerOptions& opts) : opts_(opts) {
-  if (opts.partition_bytes < 1)
-    throw Error(Error::kConfig, "partition_bytes must be positive. Received: partition_bytes=" +
-                                    std::to_string(opts.partition_bytes));
+  if (opts.partition_bytes < 0)
+    throw Error(Error::kConfig, "partition_bytes must be positive, or 0 to let the engine choose. "
+                                "Received: partition_bytes=" + std::to_string(opts.partition_bytes));
+  if (opts.hierarchical < WorkerOptions::kOff || opts.hierarchical > WorkerOptions::kAuto)
+    throw Error(Error::kConfig, "hierarchical must be off (0), on (1) or auto (2). Received: " +
+                                    std::to_string(opts.hierarchical));
   if (opts.connections_per_server < 1 || opts.connections_per_server > 64)
     throw Error(Error::kConfig, "connections_per_server must be in [1, 64]. Received: " +
                                     std::to_string(opts.connections_per_server));
@@ -74,6 +73,9 @@ void Worker::Rendezvous() {
     me.role = Role::kWorker;
     me.rank_hint = opts_.rank_hint;
     me.secret = opts_.secret;
+    me.local_size = opts_.local_size;
+    me.advertise_host = opts_.advertise_host;
+    me.host_id = opts_.host_id;
     Welcome w = control_.Connect(
         opts_.scheduler_host, opts_.scheduler_port, me, opts_.rendezvous_timeout,
         [this](const FrameHeader& h, const std::string& m) { OnControl(h, m); },
@@ -106,20 +108,18 @@ void Worker::Rendezvous() {
         conns.push_back(std::move(dc));
       }
     }
+    MeasureLinks(conns);
     std::lock_guard<std::mutex> lk(mu_);
     if (stopping_) return;
     queues_.assign(servers_.size(), std::priority_queue<Task, std::vector<Task>, TaskOrder>(
                                         TaskOrder{opts_.priority}));
-    credit_ = opts_.credit_bytes > 0
-                  ? opts_.credit_bytes
-                  : std::max<int64_t>(4 * opts_.partition_bytes, 1 << 20);
     conns_ = std::move(conns);
     for (auto& dc : conns_) {
       DataConn* p = dc.get();
       p->sender = std::thread([this, p] { SenderLoop(p); });
       p->receiver = std::thread([this, p] { ReceiverLoop(p); });
     }
-    if (opts_.hierarchical && opts_.local_size > 1) StartLocalGroup(w.job_id);
+    if (UseHierarchy()) StartLocalGroup(w.job_id);
     ready_ = true;
     cv_.notify_all();
   } catch (const Error& e) {
@@ -127,6 +127,42 @@ void Worker::Rendezvous() {
   } catch (const std::exception& e) {
     Fail(Error::kGeneric, e.what());
   }
+}
+
+void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
+  // The probe runs only when something is left to the engine: the partition size (the
+  // scheduler sizes partitions from the slowest participant's estimate) or the credit.
+  const bool auto_part = opts_.partition_bytes == 0;
+  if (auto_part || opts_.credit_bytes == 0) {
+    std::vector<Connection*> links;
+    for (const auto& dc : conns)
+      if (links.size() < static_cast<size_t>(dc->server + 1)) links.push_back(dc->link.get());
+    for (Connection* c : links) c->SetRecvTimeout(opts_.rendezvous_timeout);
+    link_ = ProbeLinks(links, kProbeSeconds, kProbeMaxBytes);
+    for (Connection* c : links) c->SetRecvTimeout(0);
+  }
+  const int64_t part = auto_part ? AutoPartitionBytes(link_.bytes_per_s, INT64_MAX / 2,
+                                                      static_cast<int>(servers_.size()), 1)
+                                 : opts_.partition_bytes;
+  credit_ = opts_.credit_bytes > 0 ? opts_.credit_bytes : AutoCreditBytes(part, link_);
+  char line[256];
+  std::snprintf(line, sizeof line, "link to %zu server(s): %.1f MB/s, rtt %.0f us; partitions %s%lld bytes, credit %lld bytes%s",
+                servers_.size(), link_.bytes_per_s / 1e6, link_.rtt_s * 1e6, auto_part ? "up to " : "",
+                static_cast<long long>(part), static_cast<long long>(credit_),
+                auto_part ? " (auto)" : " (partition_bytes set by the user: auto-tuning of partitions is off)");
+  if (rank_ == 0 || !auto_part) LogInfo(line);
+  else LogDebug(line);
+}
+
+bool Worker::UseHierarchy() const {
+  if (opts_.hierarchical == WorkerOptions::kOff || opts_.local_size <= 1) return false;
+  if (opts_.hierarchical == WorkerOptions::kOn) return true;  // StartLocalGroup checks the layout
+  if (size_ % opts_.local_size != 0 || opts_.rank_hint != rank_) {
+    LogInfo("hierarchical mode (auto) is off: it needs DMLC_WORKER_ID on every worker and "
+            "DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE workers; using the flat path");
+    return false;
+  }
+  return true;
 }
 
 bool Worker::WaitReady(double seconds) {
@@ -140,6 +176,7 @@ void Worker::SendDeclareLocked(Tensor& t) {
   MetaWriter w;
   w.Str(t.name).U32(static_cast<uint32_t>(t.dtype)).I64Vec(t.shape).I64(opts_.partition_bytes);
   w.U32(static_cast<uint32_t>(t.participants));
+  w.I64(static_cast<int64_t>(link_.bytes_per_s));  // for an auto partition size
   control_.Send(MsgType::kDeclare, w.bytes());
 }
 
@@ -180,15 +217,27 @@ int64_t Worker::Enqueue(const OpRequest& req) {
                                     "]. Received: participants=" + std::to_string(req.participants));
   if (group_ && req.op != Op::kBroadcast && req.participants == 0) {
     // Hierarchical: the local group reduces on this host and pushes one slice per rank.
+    // The whole tensor is declared with the scheduler first, as on the flat path, so a
+    // shape or dtype that differs on any rank of any host fails on every rank (and the
+    // job goes on) instead of only on the ranks of one host that notice it.
     std::shared_ptr<Handle> h;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      if (failed_) throw Error(fail_kind_, "the engine failed earlier: " + fail_msg_);
+      Tensor& t = DeclareLocked(req.name, req.dtype, req.shape);
       h = std::make_shared<Handle>();
       h->id = next_handle_++;
       h->req = req;
       h->total_parts = h->remaining = 1;
+      h->local_group = true;
+      h->version = t.next_version++;  // rounds of the timeline
+      h->bytes = static_cast<int64_t>(DTypeSize(req.dtype));
+      for (int64_t d : req.shape) h->bytes *= d;
+      if (trace_) h->enqueued_us = WallMicros();
       handles_[h->id] = h;
+      if (!t.declared) {
+        t.waiting.push_back(h);
+        return h->id;
+      }
     }
     group_->Submit(h->id, req);
     return h->id;
@@ -263,18 +312,29 @@ void Worker::OnControl(const FrameHeader& h, const std::string& meta) {
 }
 
 void Worker::OnDeclareReply(const std::string& meta) {
+  // Local-group ops are submitted after mu_ is released: the group's thread calls back
+  // into Enqueue, which takes mu_.
+  std::vector<std::shared_ptr<Handle>> to_group;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    to_group = OnDeclareReplyLocked(meta);
+  }
+  for (auto& h : to_group) group_->Submit(h->id, h->req);
+}
+
+std::vector<std::shared_ptr<Worker::Handle>> Worker::OnDeclareReplyLocked(const std::string& meta) {
   MetaReader r(meta);
   std::string name = r.Str();
   uint32_t status = r.U32();
-  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<std::shared_ptr<Handle>> to_group;
   auto it = tensors_.find(name);
-  if (it == tensors_.end()) return;
+  if (it == tensors_.end()) return to_group;
   Tensor& t = *it->second;
   if (status != 0) {
     std::string msg = r.Str();
     for (auto& h : t.waiting) FailHandleLocked(h, Error::kMismatch, msg);
     tensors_.erase(it);  // every rank forgets it, so a corrected retry declares afresh
-    return;
+    return to_group;
   }
   t.id = r.I64();
   uint32_t nparts = r.U32();
@@ -288,8 +348,13 @@ void Worker::OnDeclareReply(const std::string& meta) {
     t.parts.push_back(part);
   }
   t.declared = true;
-  for (auto& h : t.waiting) ScheduleLocked(h, t);
+  for (auto& h : t.waiting) {
+    if (h->done) continue;  // failed meanwhile (shutdown, a dead peer)
+    if (h->local_group) to_group.push_back(h);
+    else ScheduleLocked(h, t);
+  }
   t.waiting.clear();
+  return to_group;
 }
 
 void Worker::StartLocalGroup(uint64_t job_id) {
@@ -314,10 +379,15 @@ void Worker::StartLocalGroup(uint64_t job_id) {
     *err = h->error;
     return -1;
   };
-  hooks.complete = [this](int64_t id, Error::Kind kind, const std::string& err) {
+  hooks.complete = [this](int64_t id, Error::Kind kind, const std::string& err, int64_t reduced_us) {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = handles_.find(id);
     if (it == handles_.end()) return;
+    Handle& h = *it->second;
+    // Timeline: "push" = the host's reduce and its slice through the servers, "pull" =
+    // gathering the whole result.
+    h.push_begin_us = h.enqueued_us;
+    h.push_end_us = h.pull_begin_us = reduced_us;
     if (err.empty()) CompletePartLocked(it->second, 0);
     else FailHandleLocked(it->second, kind, err);
   };
@@ -528,6 +598,15 @@ std::string Worker::Describe(int64_t id) {
   return what + " of '" + h.req.name + "' round " + std::to_string(h.version) + ": " +
          std::to_string(h.remaining) + " of " + std::to_string(h.total_parts) +
          " partitions still waiting for other ranks or servers";
+}
+
+std::vector<std::array<int64_t, 3>> Worker::Partitions(const std::string& name) {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<std::array<int64_t, 3>> out;
+  auto it = tensors_.find(name);
+  if (it == tensors_.end() || !it->second->declared) return out;
+  for (const Part& p : it->second->parts) out.push_back({p.offset, p.len, p.server});
+  return out;
 }
 
 void Worker::SetTrace(bool on) {

@@ -17,6 +17,7 @@
 //   w.Shutdown();
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -32,6 +33,7 @@
 #include "common.h"
 #include "control.h"
 #include "net.h"
+#include "tuning.h"
 
 namespace bps {
 
@@ -43,14 +45,22 @@ struct WorkerOptions {
   int64_t rank_hint = -1;
   int local_rank = 0;
   int local_size = 1;
-  int64_t partition_bytes = 4 << 20;
-  int64_t credit_bytes = 0;  // bytes being written at once; 0 = auto: 4 partitions (>= 1 MiB)
+  // 0 = auto: the scheduler sizes each tensor's partitions from the link this worker
+  // measures at rendezvous (see tuning.h); > 0 = this size for every tensor.
+  int64_t partition_bytes = 0;
+  int64_t credit_bytes = 0;  // bytes being written at once; 0 = auto (AutoCreditBytes)
   int connections_per_server = 1;
   bool priority = true;
   std::string numa = "auto";
   double rendezvous_timeout = 120.0;
   std::string secret;
-  bool hierarchical = false;  // reduce inside the host through shared memory first
+  // Reduce inside the host through shared memory first: kOff, kOn (an error when the
+  // layout does not allow it) or kAuto (on when several workers share the host and the
+  // ranks follow BytePS's rules; otherwise flat, with a log line saying why).
+  enum Hierarchical : int { kOff = 0, kOn = 1, kAuto = 2 };
+  int hierarchical = kAuto;
+  std::string advertise_host;  // DMLC_NODE_HOST: this host's address, for co-location
+  std::string host_id;         // explicit machine identity (BPSTRAIN_HOST_ID); "" = address
   int socket_send_buffer = 128 << 10;  // SO_SNDBUF of data connections; 0 = kernel autotuning
 };
 
@@ -96,6 +106,10 @@ class Worker {
   int size() const { return size_; }
   int num_servers() const { return static_cast<int>(servers_.size()); }
   const WorkerOptions& options() const { return opts_; }
+  // What rendezvous measured and chose (valid once ready).
+  const LinkEstimate& link() const { return link_; }
+  int64_t credit_bytes() const { return credit_; }
+  bool hierarchical() const { return group_ != nullptr; }
 
   // Tells the scheduler about `name` now (optional: ops declare on first use).
   void Declare(const std::string& name, DType dtype, const std::vector<int64_t>& shape);
@@ -107,6 +121,9 @@ class Worker {
   bool WaitFor(int64_t handle, double seconds);
   // Describes what a handle still waits for (for timeout messages).
   std::string Describe(int64_t handle);
+  // The partition table of a tensor the scheduler has placed: (offset, bytes, server)
+  // per partition; empty while its declaration is still pending or unknown.
+  std::vector<std::array<int64_t, 3>> Partitions(const std::string& name);
   WorkerStats stats();
   void SetTrace(bool on);
   std::vector<TraceRecord> DrainTrace();
@@ -141,8 +158,11 @@ class Worker {
   };
 
   void Rendezvous();
+  bool UseHierarchy() const;
+  void MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns);
   void OnControl(const FrameHeader& h, const std::string& meta);
   void OnDeclareReply(const std::string& meta);
+  std::vector<std::shared_ptr<Handle>> OnDeclareReplyLocked(const std::string& meta);
   void ScheduleLocked(const std::shared_ptr<Handle>& h, Tensor& t);
   void SenderLoop(DataConn* c);
   bool IsGlobalNextLocked(int server) const;
@@ -165,6 +185,9 @@ class Worker {
   std::vector<std::pair<std::string, int>> servers_;
   std::vector<std::unique_ptr<DataConn>> conns_;
   int64_t credit_ = 0;
+  LinkEstimate link_;
+  static constexpr double kProbeSeconds = 0.02;        // shortest probe exchange that counts
+  static constexpr uint64_t kProbeMaxBytes = 16 << 20;  // most one probe round may send
 
   std::mutex mu_;
   std::condition_variable cv_;       // handle completion, readiness

@@ -19,22 +19,31 @@ from bpstrain import _core
 class InProcessCluster:
     """Scheduler + servers + workers in this process; torn down on exit."""
 
-    def __init__(self, workers=2, servers=1, secret="", local_size=1, **worker_kwargs):
-        self.scheduler = _core.Scheduler(workers, servers, host="127.0.0.1", port=0,
-                                         rendezvous_timeout=20, peer_timeout=10, secret=secret)
+    def __init__(self, workers=2, servers=1, secret="", local_size=1, worker_hosts=None,
+                 server_hosts=None, mixed_mode=True, assign_ranks=False, **worker_kwargs):
+        """``workers`` processes on ``workers // local_size`` hosts (BytePS's
+        DMLC_NUM_WORKER); ``worker_hosts`` / ``server_hosts`` name each node's host
+        (BPSTRAIN_HOST_ID) for mixed-mode placement, default all unnamed; with
+        ``assign_ranks`` the scheduler numbers workers by arrival (no DMLC_WORKER_ID)."""
+        self.scheduler = _core.Scheduler(workers // local_size, servers, host="127.0.0.1", port=0,
+                                         rendezvous_timeout=20, peer_timeout=10, secret=secret,
+                                         mixed_mode=mixed_mode)
         self.scheduler.start()
         port = self.scheduler_port = self.scheduler.port
+        server_hosts = server_hosts or [""] * servers
         self.servers = [
             _core.Server("127.0.0.1", port, listen_host="127.0.0.1", engine_threads=2, numa="off",
-                         rendezvous_timeout=20, secret=secret)
-            for _ in range(servers)
+                         rendezvous_timeout=20, secret=secret, server_id=j, host_id=server_hosts[j])
+            for j in range(servers)
         ]
         for s in self.servers:
             s.start()
         worker_kwargs.setdefault("numa", "off")
         self.workers = [
-            _core.Worker("127.0.0.1", port, rank_hint=i, rendezvous_timeout=20, secret=secret,
-                         local_rank=i % local_size, local_size=local_size, **worker_kwargs)
+            _core.Worker("127.0.0.1", port, rank_hint=-1 if assign_ranks else i,
+                         rendezvous_timeout=20, secret=secret,
+                         local_rank=i % local_size, local_size=local_size,
+                         host_id=worker_hosts[i] if worker_hosts else "", **worker_kwargs)
             for i in range(workers)
         ]
         for w in self.workers:

@@ -1,0 +1,60 @@
+// The engine's own choices, so that the defaults are the fast path: the partition size
+// and the byte credit from the link a worker measures at rendezvous, and the share of the
+// bytes each server takes when some servers share hosts with workers (mixed mode).
+//
+// Usage:
+//   bps::LinkEstimate link = bps::ProbeLinks(links, 0.02, 16 << 20);   // at rendezvous
+//   int64_t part = bps::AutoPartitionBytes(link.bytes_per_s, tensor_bytes, num_servers, 4);
+//   std::vector<double> share = bps::MixedShares(server_hosts, worker_hosts);
+#pragma once
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "net.h"
+
+namespace bps {
+
+struct LinkEstimate {
+  double bytes_per_s = 0;  // what one worker can push to all servers at once
+  double rtt_s = 0;        // smallest round trip of an empty probe
+};
+
+// Measures the links of one worker: an empty probe per server for the round trip, then
+// probes of growing size sent to every server at once until one exchange lasts at least
+// `min_seconds` (so the kernel's buffers and a shaper's burst do not dominate) or
+// `max_bytes` would be exceeded. Each link gets one connection of its server; the
+// server answers kProbe with kProbeReply. Throws Error(kPeer) when a link breaks.
+LinkEstimate ProbeLinks(const std::vector<Connection*>& links, double min_seconds, uint64_t max_bytes);
+
+// Partition size for a tensor of `tensor_bytes` (whole elements of `elem_bytes`): about
+// kPartitionSeconds of link time, so that per-partition costs stay small against the
+// transfer while the pipeline (push of one partition, pull of another) fills quickly,
+// and at most a quarter of the tensor's share of one server, so that every server
+// pipelines several partitions of it. Clamped to [kMinAutoPartition, kMaxAutoPartition].
+// `link_bytes_per_s` 0 (unknown) means the largest size.
+constexpr double kPartitionSeconds = 0.004;
+constexpr int64_t kMinAutoPartition = 64 << 10;
+constexpr int64_t kMaxAutoPartition = 4 << 20;
+int64_t AutoPartitionBytes(double link_bytes_per_s, int64_t tensor_bytes, int num_servers,
+                           int64_t elem_bytes);
+
+// Bytes a worker keeps being written at once: four of its largest partitions, at least
+// 1 MiB and at least two round trips' worth of the link.
+int64_t AutoCreditBytes(int64_t partition_bytes, const LinkEstimate& link);
+
+// The fraction of all bytes each server should hold. Servers whose host is one of the
+// worker hosts are co-located: the local worker reaches them without the network, but
+// their replies leave through that host's link. With n worker hosts, c of them with
+// servers and k dedicated server hosts, each co-located host takes
+// y = (n - k) / (c n + k (n - 2)) (at least 0) and the dedicated hosts share the rest:
+// for c = n that puts x = 2k(n-1) / (n(n+k) - 2k) on the dedicated servers, BytePS's
+// optimum, whose slowest link carries 2n(n-1)/(n(n+k)-2k) M (the ring's at k = 0, M at
+// k = n). Servers on one host split its share. With no co-located server, one worker
+// host or `mixed` off, every host gets the same share.
+std::vector<double> MixedShares(const std::vector<std::string>& server_hosts,
+                                const std::set<std::string>& worker_hosts, bool mixed = true);
+
+}  // namespace bps
