@@ -26,12 +26,13 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from bpstrain.config.env import ClusterEnv, read_env
-from bpstrain.config.schema import CommConfig
+from bpstrain.config.schema import CommConfig, hierarchical_mode
 from bpstrain.errors import BpsTimeoutError, ConfigError
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
 _OP_SUM, _OP_AVERAGE, _OP_BROADCAST = 0, 1, 2
 _WAIT_SLICE = 0.1  # seconds per GIL-free wait; bounds Ctrl-C latency
+_HIERARCHICAL_CODES = {"false": 0, "true": 1, "auto": 2}  # WorkerOptions::Hierarchical
 
 # The comm options the engine reads, with their defaults: CommConfig is the one
 # source; the cluster secret travels with them.
@@ -132,6 +133,10 @@ def _connect(state: _State) -> None:
     from bpstrain import _core
 
     env, o = state.env, state.options
+    hierarchical = hierarchical_mode(o["hierarchical"])
+    if not hierarchical:
+        raise ConfigError("comm.hierarchical must be one of auto, true, false. "
+                          f"Received: hierarchical={o['hierarchical']!r}")
     worker = _core.Worker(
         env.root_uri,
         env.root_port,
@@ -145,8 +150,10 @@ def _connect(state: _State) -> None:
         numa=str(o["numa"]),
         rendezvous_timeout=float(o["rendezvous_timeout"]),
         secret=str(o["secret"] or ""),
-        hierarchical=bool(o["hierarchical"]),
+        hierarchical=_HIERARCHICAL_CODES[hierarchical],
         socket_send_buffer=int(o["socket_send_buffer"]),
+        advertise_host=env.node_host,
+        host_id=env.host_id,
     )
     worker.start()
     try:

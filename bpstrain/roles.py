@@ -40,13 +40,15 @@ def run_role(role: str, environ: Optional[Mapping[str, str]] = None) -> None:
     if role == "scheduler":
         _core.set_log_prefix("bpstrain scheduler")
         node = _core.Scheduler(
-            env.num_workers,
+            env.num_worker_hosts,  # hosts; the workers' hellos tell BYTEPS_LOCAL_SIZE
             env.num_servers,
             host="0.0.0.0",
             port=env.root_port,
             rendezvous_timeout=float(options["rendezvous_timeout"]),
             peer_timeout=float(options["timeout"]),
             secret=str(options["secret"] or ""),
+            local_size=env.local_size if env.local_size_given else 0,
+            mixed_mode=env.mixed_mode,
         )
     elif role == "server":
         _core.set_log_prefix("bpstrain server")
@@ -59,6 +61,7 @@ def run_role(role: str, environ: Optional[Mapping[str, str]] = None) -> None:
             numa=str(options["numa"]),
             rendezvous_timeout=float(options["rendezvous_timeout"]),
             secret=str(options["secret"] or ""),
+            host_id=env.host_id,
         )
     else:
         raise ConfigError(f"run_role runs 'scheduler' or 'server'. Received: role={role!r}")

@@ -2,7 +2,11 @@
 
 BytePS's variables keep their meaning (``DMLC_ROLE``, ``DMLC_NUM_WORKER``, ...); the
 ``BPSTRAIN_*`` variables are bpstrain's own knobs and mirror keys of the ``comm``
-config section. A malformed value raises :class:`bpstrain.errors.ConfigError` naming
+config section.
+
+BytePS's rank rules, exactly: ``DMLC_NUM_WORKER`` counts worker *hosts*, each running
+``BYTEPS_LOCAL_SIZE`` processes, so the job has ``DMLC_NUM_WORKER * BYTEPS_LOCAL_SIZE``
+workers and a process's rank is ``DMLC_WORKER_ID * BYTEPS_LOCAL_SIZE + BYTEPS_LOCAL_RANK``. A malformed value raises :class:`bpstrain.errors.ConfigError` naming
 the variable, what it got and the expected form.
 """
 
@@ -24,7 +28,7 @@ class ClusterEnv:
     """A validated view of the cluster-related environment of one process."""
 
     role: Optional[str] = None
-    num_workers: int = 1
+    num_worker_hosts: int = 1  # DMLC_NUM_WORKER: worker hosts (BytePS's meaning)
     num_servers: int = 1
     root_uri: str = "127.0.0.1"
     root_port: Optional[int] = None
@@ -32,10 +36,18 @@ class ClusterEnv:
     server_id: Optional[int] = None
     local_rank: int = 0
     local_size: int = 1
+    local_size_given: bool = False  # BYTEPS_LOCAL_SIZE was set (the scheduler learns it otherwise)
     node_host: str = ""
+    host_id: str = ""  # BPSTRAIN_HOST_ID: which machine this is, when addresses do not tell
+    mixed_mode: bool = True  # BYTEPS_ENABLE_MIXED_MODE=0 turns the co-located share off
     force_distributed: bool = False
     # Communication knobs; None = not set in the environment (config/defaults apply).
     comm: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes in the job: DMLC_NUM_WORKER * BYTEPS_LOCAL_SIZE."""
+        return self.num_worker_hosts * self.local_size
 
     @property
     def rank_hint(self) -> int:
@@ -103,6 +115,19 @@ def _bool(environ, name):
     raise ConfigError(f"environment variable {name} must be 0/1/true/false. Received: {name}={raw!r}")
 
 
+def _choice(environ, name, choices):
+    """A choice among ``choices``; 0/1/yes/no/on/off read as false/true."""
+    raw = _get(environ, name)
+    if raw is None or raw == "":
+        return None
+    value = raw.lower()
+    value = "true" if value in _TRUE else "false" if value in _FALSE else value
+    if value not in choices:
+        raise ConfigError(f"environment variable {name} must be one of {', '.join(choices)}. "
+                          f"Received: {name}={raw!r}")
+    return value
+
+
 def _interface_address(ifname: str) -> str:
     import fcntl
     import socket
@@ -141,7 +166,7 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
                 "environment variable DMLC_ROLE must be one of scheduler, server, worker. "
                 f"Received: DMLC_ROLE={env.get('DMLC_ROLE')!r}"
             )
-    num_workers = _int(env, "DMLC_NUM_WORKER", 1, minimum=1)
+    num_worker_hosts = _int(env, "DMLC_NUM_WORKER", 1, minimum=1)
     num_servers = _int(env, "DMLC_NUM_SERVER", 1, minimum=1)
     local_size = _int(env, "BYTEPS_LOCAL_SIZE", 1, minimum=1)
     local_rank = _int(env, "BYTEPS_LOCAL_RANK", 0, minimum=0)
@@ -151,11 +176,11 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
             f"Received: BYTEPS_LOCAL_RANK={local_rank}, BYTEPS_LOCAL_SIZE={local_size}"
         )
     worker_id = _int(env, "DMLC_WORKER_ID", None, minimum=0)
-    if worker_id is not None and (worker_id + 1) * local_size > num_workers:
+    if worker_id is not None and worker_id >= num_worker_hosts:
         raise ConfigError(
-            "DMLC_WORKER_ID * BYTEPS_LOCAL_SIZE + BYTEPS_LOCAL_RANK must be < DMLC_NUM_WORKER. "
-            f"Received: DMLC_WORKER_ID={worker_id}, BYTEPS_LOCAL_SIZE={local_size}, "
-            f"DMLC_NUM_WORKER={num_workers}"
+            "DMLC_WORKER_ID must be < DMLC_NUM_WORKER (the number of worker hosts; each runs "
+            "BYTEPS_LOCAL_SIZE processes). "
+            f"Received: DMLC_WORKER_ID={worker_id}, DMLC_NUM_WORKER={num_worker_hosts}"
         )
     root_port = _int(env, "DMLC_PS_ROOT_PORT", None, minimum=1, maximum=65535)
     root_uri = _get(env, "DMLC_PS_ROOT_URI") or "127.0.0.1"
@@ -175,7 +200,7 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
         "op_timeout": _float(env, "BPSTRAIN_OP_TIMEOUT"),
         "rendezvous_timeout": _float(env, "BPSTRAIN_RENDEZVOUS_TIMEOUT"),
         "priority": _bool(env, "BPSTRAIN_PRIORITY"),
-        "hierarchical": _bool(env, "BPSTRAIN_HIERARCHICAL"),
+        "hierarchical": _choice(env, "BPSTRAIN_HIERARCHICAL", ("auto", "true", "false")),
         "credit_bytes": _int(env, "BPSTRAIN_CREDIT_BYTES", None, minimum=0),
         "connections_per_server": _int(env, "BPSTRAIN_CONNECTIONS_PER_SERVER", None, 1, 64),
         "socket_send_buffer": _int(env, "BPSTRAIN_SOCKET_SEND_BUFFER", None, minimum=0),
@@ -184,9 +209,10 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
         "numa": _get(env, "BPSTRAIN_NUMA"),
         "secret": _get(env, "BPSTRAIN_SECRET"),
     }
+    mixed = _bool(env, "BYTEPS_ENABLE_MIXED_MODE")
     return ClusterEnv(
         role=role,
-        num_workers=num_workers,
+        num_worker_hosts=num_worker_hosts,
         num_servers=num_servers,
         root_uri=root_uri,
         root_port=root_port,
@@ -194,7 +220,10 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
         server_id=_int(env, "DMLC_SERVER_ID", None, minimum=0),
         local_rank=local_rank,
         local_size=local_size,
+        local_size_given=bool(_get(env, "BYTEPS_LOCAL_SIZE")),
         node_host=node_host,
+        host_id=_get(env, "BPSTRAIN_HOST_ID") or "",
+        mixed_mode=mixed is not False,
         force_distributed=bool(_bool(env, "BYTEPS_FORCE_DISTRIBUTED")),
         comm={k: v for k, v in comm.items() if v is not None},
     )

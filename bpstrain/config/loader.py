@@ -325,7 +325,11 @@ def _validate(cfg: Config) -> None:
         raise _fail("cluster.secret", "a non-empty string or null", c.secret)
     _choice("cluster.start_method", c.start_method, schema.START_METHODS)
 
-    _at_least("comm.partition_bytes", m.partition_bytes, 8)  # >= one float64
+    if m.partition_bytes is None or m.partition_bytes != 0 and m.partition_bytes < 8:
+        raise _fail("comm.partition_bytes", ">= 8 (one float64), or 0 to let the engine choose",
+                    m.partition_bytes)
+    if not schema.hierarchical_mode(m.hierarchical):
+        raise _fail("comm.hierarchical", "one of auto, true, false", m.hierarchical)
     _at_least("comm.credit_bytes", m.credit_bytes, 0)
     _at_least("comm.connections_per_server", m.connections_per_server, 1)
     _at_least("comm.socket_send_buffer", m.socket_send_buffer, 0)

@@ -28,6 +28,21 @@ DATASETS = ("synthetic", "digits", "image_folder")
 COMPRESSIONS = ("none", "fp16")
 START_METHODS = ("auto", "spawn", "forkserver", "fork")
 DEVICES = ("auto", "cpu", "cuda")
+HIERARCHICAL = ("auto", "true", "false")
+
+
+def hierarchical_mode(value: Any) -> str:
+    """Reads ``comm.hierarchical`` (a bool, or a string such as "auto", "true", "0").
+
+    Returns:
+        One of :data:`HIERARCHICAL`, or ``""`` when ``value`` is none of them.
+    """
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return "true"
+    if text in ("0", "false", "no", "off"):
+        return "false"
+    return text if text == "auto" else ""
 
 
 @dataclass
@@ -102,7 +117,7 @@ class OptimizerConfig:
 class ClusterConfig:
     """The processes of a job (``cluster.*``); the Trainer brings up a local cluster."""
 
-    workers: int = 1  # worker processes in total (DMLC_NUM_WORKER)
+    workers: int = 1  # worker processes in total (DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE)
     servers: int = 1  # summation servers (DMLC_NUM_SERVER)
     local_size: Optional[int] = None  # workers per host; null = all on this host
     secret: Optional[str] = None  # shared secret checked at the handshake
@@ -115,7 +130,9 @@ class ClusterConfig:
 class CommConfig:
     """Knobs of the push_pull engine (``comm.*``); consumed by ``bpstrain.engine.init``."""
 
-    partition_bytes: int = 4_194_304  # largest piece a tensor is split into
+    # Largest piece a tensor is split into; 0 = auto: the engine sizes partitions from the
+    # link it measures at rendezvous (about 4 ms of link time, 64 KiB to 4 MiB).
+    partition_bytes: int = 0
     priority: bool = True  # priority scheduling (front layers first) on/off
     credit_bytes: int = 0  # bytes in flight per worker; 0 = auto
     numa: str = "auto"  # "auto" | "off" | "node:N" | "cpus:0-3,8"
@@ -126,7 +143,9 @@ class CommConfig:
     op_timeout: float = 300.0  # seconds a synchronize()/barrier waits before raising
     rendezvous_timeout: float = 120.0  # seconds for every node to join the job
     compression: str = "none"  # "none" | "fp16"
-    hierarchical: bool = False  # reduce inside a host before talking to servers
+    # Reduce inside a host (shared memory) before talking to servers: auto = when several
+    # workers share a host; true; false.
+    hierarchical: str = "auto"
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 Three ways to call it:
 
-* ``python -m bpstrain.launch --workers N --servers K [--local-size L] -- CMD ...``
-  starts a whole job on this host (see :func:`bpstrain.launch.launch_local`).
+* ``python -m bpstrain.launch --workers N --servers K [--local-size L] [--mixed] -- CMD ...``
+  starts a whole job on this host (see :func:`bpstrain.launch.launch_local`). N counts
+  processes; the children see BytePS's variables (``DMLC_NUM_WORKER`` = N/L hosts,
+  ``BYTEPS_LOCAL_SIZE`` = L).
 * ``DMLC_ROLE=scheduler|server python -m bpstrain.launch [ignored ...]`` runs that
   role in the foreground, as in a BytePS job started by hand.
 * ``DMLC_ROLE=worker python -m bpstrain.launch CMD ...`` runs CMD as a worker
@@ -71,12 +73,17 @@ def _parser() -> argparse.ArgumentParser:
         "workers), or run one role of a job started by hand with BytePS's DMLC_* "
         "variables.")
     parser.add_argument("--workers", type=_int_flag("--workers", 1), metavar="N",
-                        help="number of worker processes (DMLC_NUM_WORKER)")
-    parser.add_argument("--servers", type=_int_flag("--servers", 1), metavar="K",
-                        help="number of summation servers (default 1)")
+                        help="number of worker processes in all: N/L hosts of L processes "
+                        "(the children get DMLC_NUM_WORKER=N/L, BYTEPS_LOCAL_SIZE=L)")
+    parser.add_argument("--servers", type=_int_flag("--servers", 0), metavar="K",
+                        help="number of dedicated summation servers (default 1; 0 only "
+                        "with --mixed)")
     parser.add_argument("--local-size", type=_int_flag("--local-size", 1), metavar="L",
                         help="workers per emulated host; must divide --workers "
                         "(default: all workers on one host)")
+    parser.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run a server on every worker host (BytePS's mixed mode); "
+                        "default: on when there are fewer servers than worker hosts")
     parser.add_argument("--host", help="scheduler / node address (default 127.0.0.1)")
     parser.add_argument("--port", type=_int_flag("--port", 1, 65535), metavar="PORT",
                         help="scheduler port (default: a free port)")
@@ -109,9 +116,13 @@ def _run_local(args: argparse.Namespace, cmd: list[str], environ: Mapping[str, s
             "--workers must be a multiple of --local-size (each emulated host runs "
             f"--local-size workers). Received: --workers={args.workers}, "
             f"--local-size={local_size}")
-    return launch_local(cmd, args.workers, args.servers or 1, local_size, env=dict(environ),
+    servers = 1 if args.servers is None else args.servers
+    if servers == 0 and args.mixed is not True:
+        raise UsageError("--servers 0 needs --mixed (servers on the worker hosts). "
+                         "Received: --servers=0")
+    return launch_local(cmd, args.workers, servers, local_size, env=dict(environ),
                         host=args.host or "127.0.0.1", port=args.port, grace=args.grace,
-                        service_timeout=args.service_timeout)
+                        service_timeout=args.service_timeout, mixed=args.mixed)
 
 
 def _die_with_parent(environ: Mapping[str, str]) -> None:
@@ -189,7 +200,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         if args.workers is not None:
             return _run_local(args, cmd, environ)
         given = [f for f, v in (("--servers", args.servers), ("--local-size", args.local_size),
-                                ("--host", args.host), ("--port", args.port)) if v is not None]
+                                ("--host", args.host), ("--port", args.port),
+                                ("--mixed", args.mixed)) if v is not None]
         role = environ.get("DMLC_ROLE")
         if given:
             raise UsageError(f"{given[0]} only applies with --workers N (a local job). "

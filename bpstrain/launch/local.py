@@ -32,6 +32,7 @@ from bpstrain.launch._procs import (DEFAULT_GRACE, Child, exit_code, log, stop_c
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 _PER_PROCESS_VARS = ("DMLC_ROLE", "DMLC_WORKER_ID", "DMLC_SERVER_ID", "BYTEPS_LOCAL_RANK",
+                     "BPSTRAIN_HOST_ID",
                      "BYTEPS_LOCAL_SIZE", "BPSTRAIN_LAUNCH_PARENT")
 
 
@@ -60,21 +61,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def check_layout(workers: int, servers: int, local_size: int | None) -> int:
+def check_layout(workers: int, servers: int, local_size: int | None,
+                 min_servers: int = 1) -> int:
     """Validates a local cluster's shape and returns the effective local size.
 
     Args:
-        workers: Number of worker processes (``DMLC_NUM_WORKER``).
-        servers: Number of summation servers (``DMLC_NUM_SERVER``).
+        workers: Number of worker processes (``DMLC_NUM_WORKER * BYTEPS_LOCAL_SIZE``).
+        servers: Number of dedicated summation servers.
         local_size: Workers per emulated host; ``None`` means all on one host.
+        min_servers: 0 when mixed mode adds servers on the worker hosts.
 
     Raises:
         ConfigError: (a ``ValueError``) When a count is not positive or ``workers`` is not a
             multiple of ``local_size``.
     """
-    for name, value in (("workers", workers), ("servers", servers)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer. Received: {name}={value!r}")
+    for name, value, low in (("workers", workers, 1), ("servers", servers, min_servers)):
+        if not isinstance(value, int) or value < low:
+            what = "a positive integer" if low else "an integer >= 0"
+            raise ConfigError(f"{name} must be {what}. Received: {name}={value!r}")
     if local_size is None:
         return workers
     if not isinstance(local_size, int) or local_size < 1 or workers % local_size:
@@ -95,8 +99,13 @@ class LocalServices:
 
     Args:
         workers: Number of worker processes that will join.
-        servers: Number of summation servers to start.
+        servers: Number of dedicated summation servers to start.
         local_size: Workers per emulated host (``BYTEPS_LOCAL_SIZE``); default all.
+            Workers of one emulated host share a ``BPSTRAIN_HOST_ID``.
+        mixed: Also start one server on every emulated worker host (BytePS's mixed
+            mode; the scheduler then splits the keys between co-located and dedicated
+            servers). ``None`` = when there are fewer dedicated servers than worker
+            hosts; with ``True``, ``servers`` may be 0.
         host: Address the scheduler listens on and every node binds to.
         port: Scheduler port; a free one is picked when ``None``.
         env: Extra variables for every process, over ``os.environ``.
@@ -114,9 +123,12 @@ class LocalServices:
     def __init__(self, workers: int, servers: int = 1, local_size: int | None = None,
                  host: str = "127.0.0.1", port: int | None = None,
                  env: Mapping[str, str] | None = None, output: TextIO | None = None,
-                 grace: float = DEFAULT_GRACE, on_exit=None):
-        self.local_size = check_layout(workers, servers, local_size)
+                 grace: float = DEFAULT_GRACE, on_exit=None, mixed: bool | None = None):
+        self.local_size = check_layout(workers, servers, local_size, 0 if mixed else 1)
         self.workers, self.servers, self.host = workers, servers, host
+        self.hosts = workers // self.local_size
+        self.mixed = self.hosts > servers if mixed is None else bool(mixed)
+        self.total_servers = servers + (self.hosts if self.mixed else 0)
         self.port = port
         self.grace = grace
         self.children: list[Child] = []
@@ -128,8 +140,10 @@ class LocalServices:
     def _common_env(self, role: str) -> dict[str, str]:
         if self.port is None:
             raise RuntimeError("LocalServices is not started: call start() or use `with`.")
-        return {**self._env, "DMLC_ROLE": role, "DMLC_NUM_WORKER": str(self.workers),
-                "DMLC_NUM_SERVER": str(self.servers), "DMLC_PS_ROOT_URI": self.host,
+        # BytePS's rule: DMLC_NUM_WORKER counts hosts of local_size processes each.
+        return {**self._env, "DMLC_ROLE": role,
+                "DMLC_NUM_WORKER": str(self.hosts), "BYTEPS_LOCAL_SIZE": str(self.local_size),
+                "DMLC_NUM_SERVER": str(self.total_servers), "DMLC_PS_ROOT_URI": self.host,
                 "DMLC_PS_ROOT_PORT": str(self.port), "DMLC_NODE_HOST": self.host}
 
     def worker_env(self, i: int) -> dict[str, str]:
@@ -140,9 +154,17 @@ class LocalServices:
         """
         if not 0 <= i < self.workers:
             raise ConfigError(f"worker index must be in [0, {self.workers}). Received: i={i!r}")
-        return {**self._common_env("worker"), "DMLC_WORKER_ID": str(i // self.local_size),
-                "BYTEPS_LOCAL_RANK": str(i % self.local_size),
-                "BYTEPS_LOCAL_SIZE": str(self.local_size)}
+        env = {**self._common_env("worker"), "DMLC_WORKER_ID": str(i // self.local_size),
+               "BYTEPS_LOCAL_RANK": str(i % self.local_size),
+               "BYTEPS_LOCAL_SIZE": str(self.local_size)}
+        return self._on_host(env, i // self.local_size)
+
+    def _on_host(self, env: dict[str, str], host: int | None) -> dict[str, str]:
+        # Emulated hosts share one address, so they are told apart by id; one host
+        # needs none (everything is co-located there anyway).
+        if self.hosts > 1 and host is not None:
+            env["BPSTRAIN_HOST_ID"] = f"local-host-{host}"
+        return env
 
     def _role_env(self, role: str) -> dict[str, str]:
         env = self._common_env(role)
@@ -172,8 +194,13 @@ class LocalServices:
         atexit.register(self.stop)
         try:
             self._spawn("scheduler", self._role_env("scheduler"))
-            for s in range(self.servers):
-                self._spawn(f"server {s}", {**self._role_env("server"), "DMLC_SERVER_ID": str(s)})
+            for s in range(self.total_servers):
+                # Dedicated servers first, then one per worker host in mixed mode.
+                host = s - self.servers if s >= self.servers else None
+                env = {**self._role_env("server"), "DMLC_SERVER_ID": str(s)}
+                if host is None:
+                    env.pop("BPSTRAIN_HOST_ID", None)
+                self._spawn(f"server {s}", self._on_host(env, host))
         except BaseException:
             self.stop()
             raise
@@ -224,7 +251,7 @@ class LocalJob:
 
     Args:
         cmd: Worker command line.
-        workers, servers, local_size, host, port, env, output, grace: As for
+        workers, servers, local_size, host, port, env, output, grace, mixed: As for
             :class:`LocalServices`.
         service_timeout: Seconds services may keep running after every worker
             exited 0 before they are stopped.
@@ -234,13 +261,13 @@ class LocalJob:
                  local_size: int | None = None, host: str = "127.0.0.1",
                  port: int | None = None, env: Mapping[str, str] | None = None,
                  output: TextIO | None = None, grace: float = DEFAULT_GRACE,
-                 service_timeout: float = 30.0):
+                 service_timeout: float = 30.0, mixed: bool | None = None):
         if not cmd:
             raise ConfigError("cmd must name the worker command. Received: cmd=[]")
         self.cmd = list(cmd)
         self._events: queue.Queue = queue.Queue()
         self.services = LocalServices(workers, servers, local_size, host, port, env,
-                                      output, grace, on_exit=self._events.put)
+                                      output, grace, on_exit=self._events.put, mixed=mixed)
         self.workers: list[Child] = []
         self._output, self.grace, self.service_timeout = output, grace, service_timeout
 
@@ -280,7 +307,7 @@ def launch_local(cmd: Sequence[str], workers: int, servers: int = 1,
         servers: Number of servers.
         local_size: Workers per emulated host; must divide ``workers``.
         env: Extra environment for every process.
-        **kwargs: ``host``, ``port``, ``output``, ``grace``, ``service_timeout``.
+        **kwargs: ``host``, ``port``, ``output``, ``grace``, ``service_timeout``, ``mixed``.
 
     Returns:
         0 when every process exited 0; else the first failing process's exit

@@ -15,7 +15,9 @@ def test_comm_config_is_what_the_engine_reads():
 
     fields = {f.name: f.default for f in dataclasses.fields(CommConfig)}
     assert {**fields, "secret": ""} == COMM_DEFAULTS
-    assert fields["partition_bytes"] == 4_194_304 and fields["priority"] is True
+    # 0 = auto: the engine sizes partitions from the link it measures.
+    assert fields["partition_bytes"] == 0 and fields["priority"] is True
+    assert fields["hierarchical"] == "auto"
 
 
 @pytest.mark.parametrize("key", [

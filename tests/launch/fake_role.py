@@ -17,7 +17,8 @@ import time
 
 role = os.environ["DMLC_ROLE"]
 host, port = os.environ["DMLC_PS_ROOT_URI"], int(os.environ["DMLC_PS_ROOT_PORT"])
-print(f"{role} ready pid={os.getpid()}", flush=True)
+print(f"{role} ready pid={os.getpid()} host_id={os.environ.get('BPSTRAIN_HOST_ID', '-')}",
+      flush=True)
 if os.environ.get("FAKE_GRANDCHILD") == "1":
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print(f"grandchild={sleeper.pid}", flush=True)
@@ -39,7 +40,8 @@ if role == "scheduler":
     listener = socket.create_server((host, port))
     servers, byes = [], 0
     # Like a real scheduler: done once every server registered and every worker left.
-    while byes < int(os.environ["DMLC_NUM_WORKER"]) or \
+    workers = int(os.environ["DMLC_NUM_WORKER"]) * int(os.environ["BYTEPS_LOCAL_SIZE"])
+    while byes < workers or \
             len(servers) < int(os.environ["DMLC_NUM_SERVER"]):
         conn, _ = listener.accept()
         kind = conn.makefile().readline().split()

@@ -3,6 +3,9 @@
 Knobs (env): FAKE_FAIL_RANK / FAKE_FAIL_CODE make one rank exit with that code;
 FAKE_BLOCK=1 makes the other ranks wait until killed; FAKE_IGNORE_TERM=1 ignores
 SIGTERM; FAKE_GRANDCHILD=1 starts a long sleeper in the same process group.
+FAKE_SYNC_DIR=D with FAKE_SYNC_COUNT=N: every rank creates D/<rank> once it has printed
+its lines, and the failing rank fails only after N such files exist, so the ranks that
+the launcher then stops have always printed theirs.
 """
 
 import os
@@ -24,7 +27,15 @@ print("second line", flush=True)
 if env.get("FAKE_GRANDCHILD") == "1":
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print(f"grandchild={sleeper.pid}", flush=True)
+sync_dir = env.get("FAKE_SYNC_DIR")
+if sync_dir:
+    open(os.path.join(sync_dir, str(rank)), "w").close()
 if env.get("FAKE_FAIL_RANK") == str(rank):
+    deadline = time.monotonic() + 30
+    while sync_dir and len(os.listdir(sync_dir)) < int(env["FAKE_SYNC_COUNT"]):
+        if time.monotonic() > deadline:
+            sys.exit("fake worker: the other ranks never started")
+        time.sleep(0.01)
     print("failing on purpose", flush=True)
     sys.exit(int(env.get("FAKE_FAIL_CODE", "1")))
 if env.get("FAKE_BLOCK") == "1":

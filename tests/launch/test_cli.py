@@ -107,11 +107,13 @@ def test_interrupting_the_launcher_leaves_no_process(sig):
 
 
 @pytest.mark.timeout(60)
-def test_worker_role_spawns_local_ranks_like_bpslaunch():
-    env = subprocess_env(DMLC_ROLE="worker", DMLC_NUM_WORKER="4", DMLC_NUM_SERVER="1",
+def test_worker_role_spawns_local_ranks_like_bpslaunch(tmp_path):
+    # DMLC_NUM_WORKER counts hosts (BytePS): 2 hosts x 2 local ranks, this is host 1.
+    # Rank 3 fails only once rank 2 has printed, so the launcher's stop cannot cut it off.
+    env = subprocess_env(DMLC_ROLE="worker", DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1",
                          DMLC_WORKER_ID="1", BYTEPS_LOCAL_SIZE="2", DMLC_PS_ROOT_URI="127.0.0.1",
                          DMLC_PS_ROOT_PORT="9", FAKE_BLOCK="1", FAKE_FAIL_RANK="3",
-                         FAKE_FAIL_CODE="4")
+                         FAKE_FAIL_CODE="4", FAKE_SYNC_DIR=str(tmp_path), FAKE_SYNC_COUNT="2")
     proc = subprocess.run([sys.executable, "-m", "bpstrain.launch", *FAKE_WORKER], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 4, proc

@@ -65,6 +65,43 @@ def test_hand_started_byteps_style_job():
     assert "rank 1 of 2: sum 3 expected 3" in outputs[3]
 
 
+@pytest.mark.timeout(120)
+def test_hand_started_job_of_two_hosts_with_two_processes_each():
+    """BytePS's rank rules: DMLC_NUM_WORKER=2 hosts, BYTEPS_LOCAL_SIZE=2 on each: size 4.
+
+    The scheduler and server are told nothing about the local size (as in BytePS); the
+    scheduler learns it from the workers. Each host's processes come from one
+    ``DMLC_ROLE=worker python -m bpstrain.launch`` (bpslaunch's job).
+    """
+    common = dict(DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="127.0.0.1",
+                  DMLC_PS_ROOT_PORT=str(free_port()))
+    procs = []
+    try:
+        for role in ("scheduler", "server"):
+            procs.append(subprocess.Popen(LAUNCH, cwd=REPO, env=subprocess_env(DMLC_ROLE=role,
+                                                                               **common),
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        for worker_id in ("0", "1"):
+            env = subprocess_env(DMLC_ROLE="worker", DMLC_WORKER_ID=worker_id,
+                                 BYTEPS_LOCAL_SIZE="2", **common)
+            procs.append(subprocess.Popen([*LAUNCH, *WORKER], cwd=REPO, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        outputs = [p.communicate(timeout=90)[0] for p in reversed(procs)][::-1]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], outputs
+    host0, host1 = outputs[2], outputs[3]
+    assert "[worker 0] rank 0 of 4: sum 10 expected 10" in host0
+    assert "[worker 1] rank 1 of 4: sum 10 expected 10" in host0
+    assert "[worker 2] rank 2 of 4: sum 10 expected 10" in host1
+    assert "[worker 3] rank 3 of 4: sum 10 expected 10" in host1
+
+
 PARENT = """
 import os, signal, socket, time
 from bpstrain.launch import LocalServices

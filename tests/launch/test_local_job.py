@@ -43,12 +43,28 @@ def test_success_prefixes_every_line_and_services_exit_on_their_own():
 
 @pytest.mark.timeout(60)
 def test_local_size_maps_ranks_to_worker_id_and_local_rank():
+    # BytePS's rule: DMLC_NUM_WORKER counts the 2 hosts of 2 processes. Fewer dedicated
+    # servers (1) than hosts (2): mixed mode adds a server on each host, 3 in all.
     code, out = run_job(workers=4, local_size=2)
     assert code == 0, out
     for rank in range(4):
         expected = (f"[worker {rank}] rank={rank} worker_id={rank // 2} local_rank={rank % 2} "
-                    "local_size=2 num_worker=4 num_server=1 ")
+                    "local_size=2 num_worker=2 num_server=3 ")
         assert expected in out
+    assert re.search(r"\[server 0\] server ready pid=\d+ host_id=-", out), out
+    for s, host in ((1, 0), (2, 1)):
+        assert re.search(rf"\[server {s}\] server ready pid=\d+ host_id=local-host-{host}\b",
+                         out), out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mixed, servers, expected", [(False, 1, 1), (True, 0, 2), (None, 2, 2)])
+def test_mixed_mode_choice_of_a_local_job(mixed, servers, expected):
+    out = io.StringIO()
+    code = launch_local(FAKE_WORKER, 4, servers, 2, env=subprocess_env(), output=out,
+                        grace=2.0, service_timeout=10.0, mixed=mixed)
+    assert code == 0, out.getvalue()
+    assert f"num_worker=2 num_server={expected} " in out.getvalue()
 
 
 @pytest.mark.timeout(60)
@@ -128,7 +144,7 @@ def test_local_services_env_check_and_stop():
         env = services.worker_env(3)
         assert {k: env[k] for k in ("DMLC_ROLE", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER",
                                     "DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE")} \
-            == {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "4", "DMLC_NUM_SERVER": "2",
+            == {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "2",
                 "DMLC_WORKER_ID": "1", "BYTEPS_LOCAL_RANK": "1", "BYTEPS_LOCAL_SIZE": "2"}
         assert env["DMLC_PS_ROOT_URI"] == "127.0.0.1"
         assert env["DMLC_PS_ROOT_PORT"] == str(services.port)
