@@ -37,13 +37,21 @@ class Layout:
 
     Each of ``worker_hosts`` runs ``local_size`` worker processes (BytePS's
     ``BYTEPS_LOCAL_SIZE``); worker ``i * local_size + j`` is local rank ``j`` of
-    ``worker_hosts[i]`` and gets ``DMLC_WORKER_ID=i``.
+    ``worker_hosts[i]`` and gets ``DMLC_WORKER_ID=i``. ``server_hosts`` run the
+    dedicated servers; with ``colocated`` every worker host runs one more server
+    (mixed mode: the scheduler sees the shared address and splits the keys).
     """
 
     worker_hosts: Sequence[int]
     server_hosts: Sequence[int]
     scheduler_host: int
     local_size: int = 1
+    colocated: bool = False
+
+    @property
+    def num_servers(self) -> int:
+        """Servers of the job, dedicated and co-located."""
+        return len(self.server_hosts) + (len(self.worker_hosts) if self.colocated else 0)
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
@@ -105,8 +113,8 @@ def run_ps_job(hosts: Hosts, layout: Layout, worker_argv: Sequence[str], timeout
     """
     local = layout.local_size
     common = {
-        "DMLC_NUM_WORKER": str(len(layout.worker_hosts) * local),
-        "DMLC_NUM_SERVER": str(len(layout.server_hosts)),
+        "DMLC_NUM_WORKER": str(len(layout.worker_hosts)),  # hosts, as in BytePS
+        "DMLC_NUM_SERVER": str(layout.num_servers),
         "DMLC_PS_ROOT_URI": hosts.addr(layout.scheduler_host),
         "DMLC_PS_ROOT_PORT": str(hosts.next_port()),
         "DMLC_INTERFACE": hosts.ifname,
@@ -122,7 +130,8 @@ def run_ps_job(hosts: Hosts, layout: Layout, worker_argv: Sequence[str], timeout
     job.start("scheduler", layout.scheduler_host, role_argv, child_env({
         **common, "DMLC_ROLE": "scheduler",
         "DMLC_NODE_HOST": hosts.addr(layout.scheduler_host)}))
-    for j, host in enumerate(layout.server_hosts):
+    server_hosts = [*layout.server_hosts, *(layout.worker_hosts if layout.colocated else ())]
+    for j, host in enumerate(server_hosts):
         job.start(f"server{j}", host, role_argv, child_env({
             **common, "DMLC_ROLE": "server", "DMLC_NODE_HOST": hosts.addr(host)}))
     for i, host in enumerate(layout.worker_hosts):

@@ -6,7 +6,9 @@ With per-host link bandwidth B (bytes/s, each direction), n workers, k servers
 * parameter server: every worker sends and receives M, every server receives
   and sends n*M/k, so one push_pull needs at least ``max(M/B, n*M/(k*B))``;
 * ring all-reduce: every rank sends and receives ``2(n-1)/n * M``, so at least
-  ``2(n-1)/n * M/B``.
+  ``2(n-1)/n * M/B``;
+* mixed mode (a server on each worker host plus k dedicated ones, see
+  :func:`mixed_bound_s`): ``2n(n-1)/(n(n+k)-2k) * M/B``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,25 @@ def ps_bound_s(nbytes: int, workers: int, servers: int, link_bps: float) -> floa
     if servers < 1:
         raise ValueError(f"Expected servers >= 1. Received: servers={servers}")
     return max(nbytes / link_bps, workers * nbytes / (servers * link_bps))
+
+
+def mixed_bound_s(nbytes: int, workers: int, dedicated: int, link_bps: float) -> float:
+    """Lower bound with a server on every worker host plus ``dedicated`` server hosts.
+
+    BytePS's mixed mode puts 2k(n-1)/(n(n+k)-2k) of the bytes on the k dedicated
+    servers; the slowest link then carries 2n(n-1)/(n(n+k)-2k) * M: the ring's
+    2(n-1)/n * M at k = 0 and M at k = n. With k >= n the co-located servers get
+    nothing and the plain parameter-server bound applies.
+    """
+    _check(nbytes, workers, link_bps)
+    n, k = workers, dedicated
+    if k < 0:
+        raise ValueError(f"Expected dedicated >= 0. Received: dedicated={dedicated}")
+    if n == 1:
+        return 0.0 if k == 0 else ps_bound_s(nbytes, n, k, link_bps)
+    if k >= n:
+        return ps_bound_s(nbytes, n, k, link_bps)
+    return 2 * n * (n - 1) / (n * (n + k) - 2 * k) * nbytes / link_bps
 
 
 def ring_bound_s(nbytes: int, workers: int, link_bps: float) -> float:

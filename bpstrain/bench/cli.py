@@ -8,6 +8,7 @@ Examples::
         --sizes 4M 64M 256M --rate-mbit 800     # emulated hosts, needs root
     python -m bpstrain.bench cluster --workers 2 --servers 2 --sizes 64M \
         --partition-bytes 1M 4M 16M             # partition-size sweep
+    python -m bpstrain.bench cluster --workers 4 --servers 0 1 2 4 --mixed   # mixed mode
     python -m bpstrain.bench hierarchical --size 64M   # flat vs hierarchical, 2x2 workers
     python -m bpstrain.bench scaling --workers 1 2 4 --sizes 4M 64M   # time vs n and size
 
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--scheduler", choices=["own", "host0"], default="own",
                     help="scheduler on its own host or on worker host 0")
     cl.add_argument("--latency-ms", type=float, default=20.0, help="tbf queue latency")
+    cl.add_argument("--mixed", action="store_true",
+                    help="also a server on every worker host (BytePS's mixed mode); "
+                    "--servers then counts dedicated server hosts, 0 allowed")
 
     extra = [sub.add_parser(name, help=_HELP[name]) for name in _MODULES]
     for p, module in zip(extra, _MODULES.values()):
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 workers=args.workers, servers=args.servers, sizes=args.sizes,
                 rate_mbit=args.rate_mbit, partitions=args.partition_bytes,
                 iters=args.iters, warmup=args.warmup, scheduler=args.scheduler,
-                gloo=args.gloo, latency_ms=args.latency_ms))
+                gloo=args.gloo, latency_ms=args.latency_ms, mixed=args.mixed))
             title = (f"emulated cluster, {args.rate_mbit:g} Mbit/s per host "
                      "(n workers, k servers; vs gloo = gloo time / time)")
             text, records = format_table(rows), [r.as_dict() for r in rows]

@@ -6,6 +6,10 @@ Host layout of one run (all jobs share it, one job at a time)::
     hosts N .. N+K-1      bpstrain servers, K = max(servers)
     host  N+K             the scheduler (or host 0 with scheduler="host0")
 
+With ``mixed`` every worker host also runs a server (BytePS's mixed mode) and the
+``servers`` values count the dedicated server hosts only (0 allowed); the bound is
+then :func:`bpstrain.bench.bounds.mixed_bound_s`.
+
 Every host's upload and download are capped at ``rate_mbit``; the bounds use
 that rate as B (see ``bpstrain.bench.bounds``).
 """
@@ -37,13 +41,15 @@ class ClusterPlan:
     scheduler: str = "own"
     gloo: bool = True
     latency_ms: float = 20.0
+    mixed: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduler not in ("own", "host0"):
             raise ValueError(f"Expected scheduler 'own' or 'host0'. Received: {self.scheduler!r}")
-        if min(self.workers) < 1 or min(self.servers) < 1:
-            raise ValueError("Expected at least one worker and one server. Received: "
-                             f"workers={list(self.workers)}, servers={list(self.servers)}")
+        if min(self.workers) < 1 or min(self.servers) < (0 if self.mixed else 1):
+            raise ValueError("Expected at least one worker and one server (0 dedicated servers "
+                             f"only with mixed). Received: workers={list(self.workers)}, "
+                             f"servers={list(self.servers)}")
 
     @property
     def num_hosts(self) -> int:
@@ -58,7 +64,7 @@ class ClusterPlan:
         """A generous deadline for one job: 4x the slower bound per call, plus start-up."""
         link = bounds.link_bytes_per_s(self.rate_mbit)
         calls = self.iters + self.warmup + 1
-        slowest = sum(max(bounds.ps_bound_s(m, workers, servers, link),
+        slowest = sum(max(bounds.ps_bound_s(m, workers, max(servers, 1), link),
                           bounds.ring_bound_s(m, workers, link), m / link) * calls
                       for m in self.sizes)
         return 120.0 + 4.0 * slowest
@@ -87,14 +93,27 @@ def run(plan: ClusterPlan, log=None) -> list[Row]:
             for k in plan.servers:
                 for part in plan.partitions:
                     log(f"[bench] bpstrain push_pull, {n} worker hosts, {k} server hosts"
+                        + (" + a server on each worker host" if plan.mixed else "")
                         + (f", partition {bounds.format_size(part)}" if part else ""))
-                    layout = _jobs.Layout(worker_hosts, server_pool[:k], scheduler_host)
+                    layout = _jobs.Layout(worker_hosts, server_pool[:k], scheduler_host,
+                                          colocated=plan.mixed)
                     payloads = _jobs.run_bpstrain(hosts, layout, plan.cases(),
                                                   plan.timeout_s(n, k), part)
-                    rows += [Row("bpstrain", n, k, m, t, partition_bytes=part, link_bps=link,
-                                 bound_s=bounds.ps_bound_s(m, n, k, link))
+                    rows += [Row("bpstrain-mixed" if plan.mixed else "bpstrain", n, k, m, t,
+                                 partition_bytes=part, link_bps=link,
+                                 bound_s=_bound(plan.mixed, m, n, k, link))
                              for m, t in reduce_times(payloads).items()]
     attach_gloo(rows)
+    return _sorted(rows)
+
+
+def _bound(mixed: bool, nbytes: int, n: int, k: int, link: float) -> float:
+    if mixed:
+        return bounds.mixed_bound_s(nbytes, n, k, link)
+    return bounds.ps_bound_s(nbytes, n, k, link)
+
+
+def _sorted(rows: list[Row]) -> list[Row]:
     rows.sort(key=lambda r: (r.workers, -r.nbytes, r.system != "gloo",
                              r.servers or 0, r.partition_bytes or 0))
     return rows

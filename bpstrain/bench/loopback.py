@@ -2,10 +2,11 @@
 
 Links are not capped here, so there is no bandwidth bound; the table shows
 times, algbw and the ratio to gloo for a large tensor and a small one
-(round-trip latency). Two bpstrain rows: ``bpstrain`` is the flat path (every worker
-talks TCP to the servers), ``bpstrain-hier`` the hierarchical mode with every worker
-on this one host: they reduce through shared memory, and with a single host no byte
-needs to reach the servers (BytePS's single-machine behaviour).
+(round-trip latency). Two bpstrain rows: ``bpstrain`` is the job as a user starts it
+on one host, with no setting: the workers share the host, so they reduce through
+shared memory (``comm.hierarchical=auto``) and with a single host no byte needs to
+reach the servers (BytePS's single-machine behaviour); ``bpstrain-flat`` is the same
+job with ``comm.hierarchical=false`` (every worker talks TCP to the servers).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class LoopbackPlan:
     latency_iters: int = 200
     partition_bytes: int | None = None
     gloo: bool = True
-    hierarchical: bool = True
+    flat: bool = True  # also measure the flat path (comm.hierarchical=false)
     timeout_s: float = 300.0
 
     def cases(self) -> list[Case]:
@@ -52,20 +53,17 @@ def run(plan: LoopbackPlan, log=None) -> list[Row]:
         payloads = _jobs.run_gloo(hosts, list(range(plan.workers)), cases, plan.timeout_s)
         rows += [Row("gloo", plan.workers, None, nbytes, t)
                  for nbytes, t in reduce_times(payloads).items()]
-    log(f"[bench] bpstrain push_pull, {plan.workers} workers, {plan.servers} servers, loopback")
-    layout = _jobs.Layout(worker_hosts=list(range(plan.workers)),
-                          server_hosts=list(range(plan.servers)), scheduler_host=0)
-    payloads = _jobs.run_bpstrain(hosts, layout, cases, plan.timeout_s, plan.partition_bytes)
-    rows += [Row("bpstrain", plan.workers, plan.servers, nbytes, t,
-                 partition_bytes=plan.partition_bytes)
-             for nbytes, t in reduce_times(payloads).items()]
-    if plan.hierarchical and plan.workers > 1:
-        log(f"[bench] bpstrain push_pull, hierarchical, {plan.workers} workers on one host")
-        layout = _jobs.Layout(worker_hosts=[0], server_hosts=list(range(plan.servers)),
-                              scheduler_host=0, local_size=plan.workers)
+    # Every worker on this one host, as `python -m bpstrain.launch --workers N` starts them.
+    layout = _jobs.Layout(worker_hosts=[0], server_hosts=list(range(plan.servers)),
+                          scheduler_host=0, local_size=plan.workers)
+    modes = [("bpstrain", {})] + ([("bpstrain-flat", {"BPSTRAIN_HIERARCHICAL": "0"})]
+                                  if plan.flat and plan.workers > 1 else [])
+    for system, env in modes:
+        log(f"[bench] {system} push_pull, {plan.workers} workers on one host, "
+            f"{plan.servers} servers{' (comm.hierarchical=false)' if env else ''}")
         payloads = _jobs.run_bpstrain(hosts, layout, cases, plan.timeout_s, plan.partition_bytes,
-                                      {"BPSTRAIN_HIERARCHICAL": "1"})
-        rows += [Row("bpstrain-hier", plan.workers, plan.servers, nbytes, t,
+                                      env)
+        rows += [Row(system, plan.workers, plan.servers, nbytes, t,
                      partition_bytes=plan.partition_bytes)
                  for nbytes, t in reduce_times(payloads).items()]
     attach_gloo(rows)

@@ -2,6 +2,7 @@
 
 Columns of the printed table:
 
+* ``part``: the partition size set for the run, ``auto`` when the engine chose;
 * ``time``: median over iterations of the slowest rank's time for that iteration;
 * ``algbw``: M / time, in Gbit/s;
 * ``algbw/B``: algbw as a fraction of the per-host link rate (emulated only);
@@ -103,7 +104,8 @@ def format_table(rows: Sequence[Row]) -> str:
             str(r.workers),
             "-" if r.servers is None else str(r.servers),
             format_size(r.nbytes),
-            "-" if r.partition_bytes is None else format_size(r.partition_bytes),
+            format_size(r.partition_bytes) if r.partition_bytes
+            else "-" if r.system == "gloo" else "auto",
             format_time(r.time_s),
             f"{r.algbw_bps * 8 / 1e9:.3f}",
             "-" if r.link_bps is None else f"{r.algbw_bps / r.link_bps:.2f}",

@@ -152,7 +152,8 @@ def test_ps_job_starts_local_size_workers_per_host():
     workers = [(i, env) for i, env in hosts.started if env["DMLC_ROLE"] == "worker"]
     assert [(i, env["DMLC_WORKER_ID"], env["BYTEPS_LOCAL_RANK"]) for i, env in workers] == [
         (0, "0", "0"), (0, "0", "1"), (1, "1", "0"), (1, "1", "1")]
-    assert {env["DMLC_NUM_WORKER"] for _, env in hosts.started} == {"4"}
+    # BytePS's rule: DMLC_NUM_WORKER counts the 2 hosts; each runs BYTEPS_LOCAL_SIZE=2.
+    assert {env["DMLC_NUM_WORKER"] for _, env in hosts.started} == {"2"}
     assert {env["BYTEPS_LOCAL_SIZE"] for _, env in workers} == {"2"}
     assert {env["BPSTRAIN_HIERARCHICAL"] for _, env in hosts.started} == {"1"}
 

@@ -25,7 +25,7 @@ def test_loopback_bench_prints_table(capsys):
                  "--latency-iters", "5", "--timeout", "120"]) == 0
     out = capsys.readouterr().out.splitlines()
     systems = [line.split()[0] for line in out[3:]]
-    assert sorted(systems) == ["bpstrain", "bpstrain", "bpstrain-hier", "bpstrain-hier", "gloo", "gloo"]
+    assert sorted(systems) == ["bpstrain", "bpstrain", "bpstrain-flat", "bpstrain-flat", "gloo", "gloo"]
 
 
 @pytest.mark.timeout(240)
