@@ -31,6 +31,10 @@ _HELP = {"hierarchical": "flat vs hierarchical push_pull, hosts x local ranks (r
          "scaling": "bpstrain time vs workers and size on emulated hosts (root)"}
 
 
+def _partition(text: str) -> int | None:
+    return None if text.strip().lower() == "auto" else parse_size(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (subcommands ``loopback``, the default, ``cluster``, and
     the modules' ``hierarchical`` and ``scaling``)."""
@@ -56,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--sizes", type=parse_size, nargs="+", default=[4 << 20, 64 << 20])
     cl.add_argument("--rate-mbit", type=float, default=800.0,
                     help="per-host upload and download cap, Mbit/s")
-    cl.add_argument("--partition-bytes", type=parse_size, nargs="+", default=[None],
-                    help="one value, or several for a partition-size sweep")
+    cl.add_argument("--partition-bytes", type=_partition, nargs="+", default=[None],
+                    help="one value, or several for a partition-size sweep; 'auto' (the "
+                    "default) lets the engine choose")
     cl.add_argument("--iters", type=int, default=5)
     cl.add_argument("--warmup", type=int, default=1)
     cl.add_argument("--scheduler", choices=["own", "host0"], default="own",

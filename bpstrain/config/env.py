@@ -203,7 +203,7 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
         "hierarchical": _choice(env, "BPSTRAIN_HIERARCHICAL", ("auto", "true", "false")),
         "credit_bytes": _int(env, "BPSTRAIN_CREDIT_BYTES", None, minimum=0),
         "connections_per_server": _int(env, "BPSTRAIN_CONNECTIONS_PER_SERVER", None, 1, 64),
-        "socket_send_buffer": _int(env, "BPSTRAIN_SOCKET_SEND_BUFFER", None, minimum=0),
+        "socket_send_buffer": _int(env, "BPSTRAIN_SOCKET_SEND_BUFFER", None, minimum=-1),
         "engine_threads": _int(env, "BPSTRAIN_ENGINE_THREADS", None, 1, 256)
         or _int(env, "BYTEPS_SERVER_ENGINE_THREAD", None, 1, 256),
         "numa": _get(env, "BPSTRAIN_NUMA"),

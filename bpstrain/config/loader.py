@@ -332,7 +332,7 @@ def _validate(cfg: Config) -> None:
         raise _fail("comm.hierarchical", "one of auto, true, false", m.hierarchical)
     _at_least("comm.credit_bytes", m.credit_bytes, 0)
     _at_least("comm.connections_per_server", m.connections_per_server, 1)
-    _at_least("comm.socket_send_buffer", m.socket_send_buffer, 0)
+    _at_least("comm.socket_send_buffer", m.socket_send_buffer, -1)
     _at_least("comm.engine_threads", m.engine_threads, 1)
     if not m.timeout > 0:
         raise _fail("comm.timeout", "> 0 seconds", m.timeout)

@@ -116,6 +116,16 @@ PYBIND11_MODULE(_core, m) {
         py::arg("num_servers"), py::arg("elem_bytes") = 1,
         "The partition size the scheduler picks when partition_bytes is 0 (auto).");
   m.def(
+      "auto_socket_send_buffer",
+      [](double link_bytes_per_s, double rtt_s) {
+        LinkEstimate l;
+        l.bytes_per_s = link_bytes_per_s;
+        l.rtt_s = rtt_s;
+        return AutoSocketSendBuffer(l);
+      },
+      py::arg("link_bytes_per_s"), py::arg("rtt_s"),
+      "The data sockets' send buffer when socket_send_buffer is -1 (auto).");
+  m.def(
       "mixed_shares",
       [](const std::vector<std::string>& server_hosts, const std::vector<std::string>& worker_hosts, bool mixed) {
         return MixedShares(server_hosts, std::set<std::string>(worker_hosts.begin(), worker_hosts.end()), mixed);
@@ -204,7 +214,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("local_rank") = 0, py::arg("local_size") = 1, py::arg("partition_bytes") = 0,
            py::arg("credit_bytes") = 0, py::arg("connections_per_server") = 1, py::arg("priority") = true,
            py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
-           py::arg("hierarchical") = static_cast<int>(WorkerOptions::kAuto), py::arg("socket_send_buffer") = 128 << 10,
+           py::arg("hierarchical") = static_cast<int>(WorkerOptions::kAuto), py::arg("socket_send_buffer") = -1,
            py::arg("advertise_host") = "", py::arg("host_id") = "")
       .def("start", &Worker::Start)
       .def("wait_ready", &Worker::WaitReady, py::arg("seconds"), py::call_guard<py::gil_scoped_release>())

@@ -54,7 +54,7 @@ int64_t AutoPartitionBytes(double link_bytes_per_s, int64_t tensor_bytes, int nu
   int64_t part = link_bytes_per_s > 0 ? static_cast<int64_t>(link_bytes_per_s * kPartitionSeconds)
                                       : kMaxAutoPartition;
   const int64_t per_server = tensor_bytes / std::max(1, num_servers);
-  part = std::min(part, per_server / 4);
+  part = std::min(part, per_server / kPiecesPerServer);
   part = std::clamp(part, kMinAutoPartition, kMaxAutoPartition);
   part = std::max<int64_t>(part / 4096 * 4096, 4096);  // page multiples keep copies aligned
   elem_bytes = std::max<int64_t>(1, elem_bytes);
@@ -64,6 +64,15 @@ int64_t AutoPartitionBytes(double link_bytes_per_s, int64_t tensor_bytes, int nu
 int64_t AutoCreditBytes(int64_t partition_bytes, const LinkEstimate& link) {
   const int64_t bdp = static_cast<int64_t>(2 * link.bytes_per_s * link.rtt_s);
   return std::max<int64_t>({4 * partition_bytes, int64_t{1} << 20, bdp});
+}
+
+int AutoSocketSendBuffer(const LinkEstimate& link) {
+  if (link.bytes_per_s <= 0) return kMaxAutoSendBuffer;
+  double want = link.bytes_per_s * kSendBufferSeconds;
+  want = std::min<double>(want, kMaxAutoSendBuffer);
+  want = std::max(want, 2 * link.bytes_per_s * link.rtt_s);  // long fat links
+  want = std::clamp<double>(want, 16 << 10, 16 << 20);
+  return static_cast<int>(want);
 }
 
 std::vector<double> MixedShares(const std::vector<std::string>& server_hosts,

@@ -101,7 +101,9 @@ void Worker::Rendezvous() {
         // takes megabytes per socket at once and the partitions' global order and the
         // rank rotation only decide what waits in kernel buffers (emulated 4x4 hosts at
         // 64 MB: 0.83 of the bound with autotuning, 0.89 with 256 KiB, 0.92 with 128 KiB).
-        if (opts_.socket_send_buffer > 0) dc->link->SetSendBuffer(opts_.socket_send_buffer);
+        // (auto: the probe runs with the largest size, then MeasureLinks resizes.)
+        const int sndbuf = opts_.socket_send_buffer < 0 ? kMaxAutoSendBuffer : opts_.socket_send_buffer;
+        if (sndbuf > 0) dc->link->SetSendBuffer(sndbuf);
         FrameHeader h;
         h.type = static_cast<uint16_t>(MsgType::kServerHello);
         dc->link->Send(h, MetaWriter().I64(rank_).Str(token).bytes());
@@ -133,7 +135,8 @@ void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
   // The probe runs only when something is left to the engine: the partition size (the
   // scheduler sizes partitions from the slowest participant's estimate) or the credit.
   const bool auto_part = opts_.partition_bytes == 0;
-  if (auto_part || opts_.credit_bytes == 0) {
+  const bool auto_sndbuf = opts_.socket_send_buffer < 0;
+  if (auto_part || opts_.credit_bytes == 0 || auto_sndbuf) {
     std::vector<Connection*> links;
     for (const auto& dc : conns)
       if (links.size() < static_cast<size_t>(dc->server + 1)) links.push_back(dc->link.get());
@@ -145,10 +148,15 @@ void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
                                                       static_cast<int>(servers_.size()), 1)
                                  : opts_.partition_bytes;
   credit_ = opts_.credit_bytes > 0 ? opts_.credit_bytes : AutoCreditBytes(part, link_);
-  char line[256];
-  std::snprintf(line, sizeof line, "link to %zu server(s): %.1f MB/s, rtt %.0f us; partitions %s%lld bytes, credit %lld bytes%s",
+  const int sndbuf = auto_sndbuf ? AutoSocketSendBuffer(link_) : opts_.socket_send_buffer;
+  if (auto_sndbuf)
+    for (const auto& dc : conns) dc->link->SetSendBuffer(sndbuf);
+  char line[320];
+  std::snprintf(line, sizeof line,
+                "link to %zu server(s): %.1f MB/s, rtt %.0f us; partitions %s%lld bytes, credit %lld bytes, "
+                "socket send buffer %d bytes%s",
                 servers_.size(), link_.bytes_per_s / 1e6, link_.rtt_s * 1e6, auto_part ? "up to " : "",
-                static_cast<long long>(part), static_cast<long long>(credit_),
+                static_cast<long long>(part), static_cast<long long>(credit_), sndbuf,
                 auto_part ? " (auto)" : " (partition_bytes set by the user: auto-tuning of partitions is off)");
   if (rank_ == 0 || !auto_part) LogInfo(line);
   else LogDebug(line);

@@ -61,7 +61,8 @@ struct WorkerOptions {
   int hierarchical = kAuto;
   std::string advertise_host;  // DMLC_NODE_HOST: this host's address, for co-location
   std::string host_id;         // explicit machine identity (BPSTRAIN_HOST_ID); "" = address
-  int socket_send_buffer = 128 << 10;  // SO_SNDBUF of data connections; 0 = kernel autotuning
+  // SO_SNDBUF of data connections; -1 = auto (AutoSocketSendBuffer), 0 = kernel autotuning.
+  int socket_send_buffer = -1;
 };
 
 enum class Op : int { kSum = 0, kAverage = 1, kBroadcast = 2 };

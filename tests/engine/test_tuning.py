@@ -24,11 +24,19 @@ def test_auto_partition_follows_the_link(rate_mbit, expected):
 
 
 def test_auto_partition_gives_every_server_several_pieces_of_a_small_tensor():
-    # 4 MB over 4 servers: at most a quarter of a server's 1 MB share, even on a fast link.
-    assert _core.auto_partition_bytes(10_000 * MBIT, 4 * MB, 4) == 256 * KB
-    assert _core.auto_partition_bytes(10_000 * MBIT, 4 * MB, 1) == MB
+    # 4 MB over 4 servers: at most 1/16 of a server's 1 MB share, even on a fast link.
+    assert _core.auto_partition_bytes(10_000 * MBIT, 4 * MB, 4) == 64 * KB
+    assert _core.auto_partition_bytes(10_000 * MBIT, 4 * MB, 1) == 256 * KB
+    assert _core.auto_partition_bytes(10_000 * MBIT, 64 * MB, 4) == MB
     # Tiny tensors stay whole-element multiples of the floor.
     assert _core.auto_partition_bytes(100 * MBIT, 4 * KB, 4) == 64 * KB
+
+
+@pytest.mark.parametrize("rate_mbit, expected", [(100, 31250), (500, 128 * KB), (0, 128 * KB)])
+def test_auto_send_buffer_is_a_few_ms_of_the_link(rate_mbit, expected):
+    assert _core.auto_socket_send_buffer(rate_mbit * MBIT, 100e-6) == expected
+    # A long round trip needs two of them in flight.
+    assert _core.auto_socket_send_buffer(100 * MBIT, 0.05) == int(2 * 100 * MBIT * 0.05)
 
 
 def test_auto_partition_holds_whole_elements():
@@ -90,7 +98,8 @@ def test_auto_partitions_come_from_the_measured_link():
 
 @pytest.mark.timeout(60)
 def test_partition_bytes_override_skips_the_probe_of_partitions():
-    with InProcessCluster(2, 1, partition_bytes=64 * KB, credit_bytes=MB) as c:
+    with InProcessCluster(2, 1, partition_bytes=64 * KB, credit_bytes=MB,
+                          socket_send_buffer=128 * KB) as c:
         assert all(w.link_bytes_per_s == 0 for w in c.workers)  # nothing left to measure
         x = np.ones(300 * KB // 4, np.float32)
         c.run_all(lambda r, w: push_pull(w, "x", x))
