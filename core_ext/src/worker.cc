@@ -279,20 +279,31 @@ int64_t Worker::EnqueueBarrier() {
 
 void Worker::ScheduleLocked(const std::shared_ptr<Handle>& h, Tensor& t) {
   h->total_parts = h->remaining = static_cast<int>(t.parts.size());
-  // Send order inside one operation: this rank visits the servers starting at its own
-  // index (rank r sends its g-th partition for server (r + j) % k in slot g*k + j), so at
-  // any moment the workers feed different servers instead of all crowding one link.
+  // Send order inside one operation: each server's partitions are spread evenly over the
+  // operation (the i-th of a server's c partitions goes at fraction i/c), so that servers
+  // holding more bytes (mixed mode's dedicated ones) are fed all along instead of getting
+  // the whole tail; and this rank starts at its own offset among the servers (rank r sends
+  // to server (r + j) % k in slot j), so at any moment the workers feed different servers
+  // instead of all crowding one link. With equal shares this is slot g*k + j for the g-th
+  // partition of each server.
   const int k = static_cast<int>(servers_.size());
-  std::vector<int> seen(k, 0);
-  const uint64_t base = next_seq_;
-  next_seq_ += static_cast<uint64_t>(t.parts.size()) * k;
+  std::vector<int> count(k, 0), seen(k, 0);
+  for (const Part& part : t.parts) ++count[part.server];
+  std::vector<std::pair<double, size_t>> order(t.parts.size());
   for (size_t p = 0; p < t.parts.size(); ++p) {
+    const int server = t.parts[p].server;
+    const int slot = ((server - rank_) % k + k) % k;
+    order[p] = {(seen[server]++ + static_cast<double>(slot) / k) / count[server], p};
+  }
+  std::sort(order.begin(), order.end());
+  const uint64_t base = next_seq_;
+  next_seq_ += t.parts.size();
+  for (size_t i = 0; i < order.size(); ++i) {
+    const size_t p = order[i].second;
     const Part& part = t.parts[p];
     uint64_t key = (static_cast<uint64_t>(t.id) << kPartBits) | p;
-    const int slot = ((part.server - rank_) % k + k) % k;
-    const uint64_t order = base + static_cast<uint64_t>(seen[part.server]++) * k + slot;
     queues_[part.server].push(
-        Task{h, key, h->version, part.offset, part.len, part.server, h->req.priority, order});
+        Task{h, key, h->version, part.offset, part.len, part.server, h->req.priority, base + i});
   }
   send_cv_.notify_all();
 }

@@ -13,10 +13,11 @@ MBIT = 1e6 / 8  # bytes/s of 1 Mbit/s
 
 
 @pytest.mark.parametrize("rate_mbit, expected", [
-    (100, 64 * KB),      # 4 ms of a 100 Mbit/s link is 50 KB: the floor
-    (500, 244 * KB),     # 4 ms = 250 KB, in pages
-    (800, 388 * KB),
-    (10_000, 4 * MB),    # 5 MB: the ceiling
+    (100, 64 * KB),      # 1 ms of a 100 Mbit/s link is 12.5 KB: the floor
+    (500, 64 * KB),      # 62.5 KB
+    (1000, 120 * KB),    # 125 KB, in pages
+    (10_000, 1220 * KB),
+    (100_000, 4 * MB),   # 12.5 MB: the ceiling
     (0, 4 * MB),         # unknown link: the largest
 ])
 def test_auto_partition_follows_the_link(rate_mbit, expected):
@@ -25,9 +26,9 @@ def test_auto_partition_follows_the_link(rate_mbit, expected):
 
 def test_auto_partition_gives_every_server_several_pieces_of_a_small_tensor():
     # 4 MB over 4 servers: at most 1/16 of a server's 1 MB share, even on a fast link.
-    assert _core.auto_partition_bytes(10_000 * MBIT, 4 * MB, 4) == 64 * KB
-    assert _core.auto_partition_bytes(10_000 * MBIT, 4 * MB, 1) == 256 * KB
-    assert _core.auto_partition_bytes(10_000 * MBIT, 64 * MB, 4) == MB
+    assert _core.auto_partition_bytes(100_000 * MBIT, 4 * MB, 4) == 64 * KB
+    assert _core.auto_partition_bytes(100_000 * MBIT, 4 * MB, 1) == 256 * KB
+    assert _core.auto_partition_bytes(100_000 * MBIT, 64 * MB, 4) == MB
     # Tiny tensors stay whole-element multiples of the floor.
     assert _core.auto_partition_bytes(100 * MBIT, 4 * KB, 4) == 64 * KB
 
@@ -40,7 +41,7 @@ def test_auto_send_buffer_is_a_few_ms_of_the_link(rate_mbit, expected):
 
 
 def test_auto_partition_holds_whole_elements():
-    part = _core.auto_partition_bytes(500 * MBIT, 1 << 30, 4, elem_bytes=12)
+    part = _core.auto_partition_bytes(2000 * MBIT, 1 << 30, 4, elem_bytes=12)
     assert part % 12 == 0 and 200 * KB < part < 300 * KB
 
 
