@@ -117,13 +117,13 @@ PYBIND11_MODULE(_core, m) {
         "The partition size the scheduler picks when partition_bytes is 0 (auto).");
   m.def(
       "auto_socket_send_buffer",
-      [](double link_bytes_per_s, double rtt_s) {
+      [](double link_bytes_per_s, double rtt_s, int peers) {
         LinkEstimate l;
         l.bytes_per_s = link_bytes_per_s;
         l.rtt_s = rtt_s;
-        return AutoSocketSendBuffer(l);
+        return AutoSocketSendBuffer(l, peers);
       },
-      py::arg("link_bytes_per_s"), py::arg("rtt_s"),
+      py::arg("link_bytes_per_s"), py::arg("rtt_s"), py::arg("peers") = 4,
       "The data sockets' send buffer when socket_send_buffer is -1 (auto).");
   m.def(
       "mixed_shares",

@@ -66,9 +66,9 @@ int64_t AutoCreditBytes(int64_t partition_bytes, const LinkEstimate& link) {
   return std::max<int64_t>({4 * partition_bytes, int64_t{1} << 20, bdp});
 }
 
-int AutoSocketSendBuffer(const LinkEstimate& link) {
+int AutoSocketSendBuffer(const LinkEstimate& link, int peers) {
   if (link.bytes_per_s <= 0) return kMaxAutoSendBuffer;
-  double want = link.bytes_per_s * kSendBufferSeconds;
+  double want = link.bytes_per_s * kLinkBufferSeconds / std::max(1, peers);
   want = std::min<double>(want, kMaxAutoSendBuffer);
   want = std::max(want, 2 * link.bytes_per_s * link.rtt_s);  // long fat links
   want = std::clamp<double>(want, 16 << 10, 16 << 20);

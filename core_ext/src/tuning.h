@@ -50,15 +50,17 @@ int64_t AutoPartitionBytes(double link_bytes_per_s, int64_t tensor_bytes, int nu
 // 1 MiB and at least two round trips' worth of the link.
 int64_t AutoCreditBytes(int64_t partition_bytes, const LinkEstimate& link);
 
-// Kernel send buffer of each data connection: about kSendBufferSeconds of the link, in
-// [16 KiB, kMaxAutoSendBuffer]. Small, so that the credit and the send order decide what
-// is on the wire, and so that a slow link's switch queue is not overrun: with one
-// connection per server the kernel buffers of all of them feed the same link (emulated
-// 4x4 hosts at 100 Mbit/s with a 20 ms switch queue: 0.90 of the bound at 32 KiB, 0.85
-// at 128 KiB; 4 MB tensors 0.79 vs 0.50), plus two round trips where the RTT is long.
-constexpr double kSendBufferSeconds = 0.0025;
+// Kernel send buffer of each data connection, so that the buffers of all connections
+// that feed one link hold about kLinkBufferSeconds of it: a worker's k connections feed
+// its uplink, and n workers' connections feed one server's downlink, so each gets
+// kLinkBufferSeconds / max(k, n) of the link, in [16 KiB, kMaxAutoSendBuffer], and at
+// least two round trips where the RTT is long. Small, so that the credit and the send
+// order decide what is on the wire and a switch queue is not overrun (emulated hosts with
+// a 20 ms switch queue: 4x4 at 100 Mbit/s 0.90 of the bound at 32 KiB vs 0.85 at
+// 128 KiB, 4 MB tensors 0.79 vs 0.50; 8x8 at 200 Mbit/s 0.86 at 32 KiB vs 0.77 at 64 KiB).
+constexpr double kLinkBufferSeconds = 0.01;
 constexpr int kMaxAutoSendBuffer = 128 << 10;
-int AutoSocketSendBuffer(const LinkEstimate& link);
+int AutoSocketSendBuffer(const LinkEstimate& link, int peers);
 
 // The fraction of all bytes each server should hold. Servers whose host is one of the
 // worker hosts are co-located: the local worker reaches them without the network, but

@@ -148,7 +148,8 @@ void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
                                                       static_cast<int>(servers_.size()), 1)
                                  : opts_.partition_bytes;
   credit_ = opts_.credit_bytes > 0 ? opts_.credit_bytes : AutoCreditBytes(part, link_);
-  const int sndbuf = auto_sndbuf ? AutoSocketSendBuffer(link_) : opts_.socket_send_buffer;
+  const int peers = std::max(static_cast<int>(servers_.size()), size_);
+  const int sndbuf = auto_sndbuf ? AutoSocketSendBuffer(link_, peers) : opts_.socket_send_buffer;
   if (auto_sndbuf)
     for (const auto& dc : conns) dc->link->SetSendBuffer(sndbuf);
   char line[320];
