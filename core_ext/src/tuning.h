@@ -51,14 +51,16 @@ int64_t AutoPartitionBytes(double link_bytes_per_s, int64_t tensor_bytes, int nu
 int64_t AutoCreditBytes(int64_t partition_bytes, const LinkEstimate& link);
 
 // Kernel send buffer of each data connection, so that the buffers of all connections
-// that feed one link hold about kLinkBufferSeconds of it: a worker's k connections feed
-// its uplink, and n workers' connections feed one server's downlink, so each gets
-// kLinkBufferSeconds / max(k, n) of the link, in [16 KiB, kMaxAutoSendBuffer], and at
+// that feed one link hold about 2 x kLinkBufferSeconds of it (the kernel doubles what is
+// asked): a worker's k connections feed its uplink, and n workers' connections feed one
+// server's downlink, so each asks for kLinkBufferSeconds / max(k, n) of the link, in
+// [16 KiB, kMaxAutoSendBuffer], and at
 // least two round trips where the RTT is long. Small, so that the credit and the send
 // order decide what is on the wire and a switch queue is not overrun (emulated hosts with
 // a 20 ms switch queue: 4x4 at 100 Mbit/s 0.90 of the bound at 32 KiB vs 0.85 at
-// 128 KiB, 4 MB tensors 0.79 vs 0.50; 8x8 at 200 Mbit/s 0.86 at 32 KiB vs 0.77 at 64 KiB).
-constexpr double kLinkBufferSeconds = 0.01;
+// 128 KiB, 4 MB tensors 0.79 vs 0.50; 8x8 at 200 Mbit/s 0.86 at 32 KiB vs 0.77 at 64 KiB;
+// 4x4 at 500 Mbit/s, 4 MB tensors after 64 MB ones: 0.80 at 64 KiB vs 0.74 at 128 KiB).
+constexpr double kLinkBufferSeconds = 0.005;  // the kernel doubles SO_SNDBUF: about 10 ms
 constexpr int kMaxAutoSendBuffer = 128 << 10;
 int AutoSocketSendBuffer(const LinkEstimate& link, int peers);
 

@@ -33,11 +33,12 @@ def test_auto_partition_gives_every_server_several_pieces_of_a_small_tensor():
     assert _core.auto_partition_bytes(100 * MBIT, 4 * KB, 4) == 64 * KB
 
 
-@pytest.mark.parametrize("rate_mbit, expected", [(100, 31250), (500, 128 * KB), (0, 128 * KB)])
+@pytest.mark.parametrize("rate_mbit, expected", [(100, 16 * KB), (500, 78125), (2000, 128 * KB),
+                                                  (0, 128 * KB)])
 def test_auto_send_buffer_is_a_few_ms_of_the_link(rate_mbit, expected):
     assert _core.auto_socket_send_buffer(rate_mbit * MBIT, 100e-6) == expected
     # 8 connections into one link (8 servers, or 8 workers into one server): half each.
-    assert _core.auto_socket_send_buffer(200 * MBIT, 100e-6, peers=8) == 31250
+    assert _core.auto_socket_send_buffer(1000 * MBIT, 100e-6, peers=8) == 78125
     # A long round trip needs two of them in flight.
     assert _core.auto_socket_send_buffer(100 * MBIT, 0.05) == int(2 * 100 * MBIT * 0.05)
 
