@@ -33,13 +33,15 @@ LinkEstimate ProbeLinks(const std::vector<Connection*>& links, double min_second
 // kPartitionSeconds of link time, so that per-partition costs stay small against the
 // transfer while the pipeline (push of one partition, pull of another) fills quickly
 // (emulated 4x4 hosts at 500 Mbit/s, 64 MB: 1 ms = 64 KiB 0.89-0.92 of the bound, 4 ms
-// 0.88-0.89, 16 ms 0.83; at 1 Gbit/s 1 ms and 4 ms measure the same),
+// 0.88-0.89, 16 ms 0.83; at 1 Gbit/s 1 ms and 4 ms measure the same), but not so small
+// that training, whose compute shares the CPU with the engine, pays for the pieces
+// (VGG-16 at 800 Mbit/s: 1.14x DDP with 1 ms pieces, 1.16x with 2.5 ms),
 // and at most 1/kPiecesPerServer of the tensor's share of one server, so that even a
 // small tensor keeps every server's pipeline full (emulated 4x4 hosts at 500 Mbit/s, 4 MB
 // tensors: 0.77 of the bound with 64 KiB pieces, 0.63-0.69 with 256 KiB). Clamped to
 // [kMinAutoPartition, kMaxAutoPartition].
 // `link_bytes_per_s` 0 (unknown) means the largest size.
-constexpr double kPartitionSeconds = 0.001;
+constexpr double kPartitionSeconds = 0.0025;
 constexpr int64_t kMinAutoPartition = 64 << 10;
 constexpr int64_t kMaxAutoPartition = 4 << 20;
 constexpr int64_t kPiecesPerServer = 16;

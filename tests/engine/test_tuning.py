@@ -13,11 +13,11 @@ MBIT = 1e6 / 8  # bytes/s of 1 Mbit/s
 
 
 @pytest.mark.parametrize("rate_mbit, expected", [
-    (100, 64 * KB),      # 1 ms of a 100 Mbit/s link is 12.5 KB: the floor
-    (500, 64 * KB),      # 62.5 KB
-    (1000, 120 * KB),    # 125 KB, in pages
-    (10_000, 1220 * KB),
-    (100_000, 4 * MB),   # 12.5 MB: the ceiling
+    (100, 64 * KB),      # 2.5 ms of a 100 Mbit/s link is 31 KB: the floor
+    (500, 152 * KB),     # 156 KB, in pages
+    (1000, 304 * KB),
+    (10_000, 3048 * KB),
+    (100_000, 4 * MB),   # 31 MB: the ceiling
     (0, 4 * MB),         # unknown link: the largest
 ])
 def test_auto_partition_follows_the_link(rate_mbit, expected):
@@ -44,7 +44,7 @@ def test_auto_send_buffer_is_a_few_ms_of_the_link(rate_mbit, expected):
 
 
 def test_auto_partition_holds_whole_elements():
-    part = _core.auto_partition_bytes(2000 * MBIT, 1 << 30, 4, elem_bytes=12)
+    part = _core.auto_partition_bytes(800 * MBIT, 1 << 30, 4, elem_bytes=12)
     assert part % 12 == 0 and 200 * KB < part < 300 * KB
 
 

@@ -38,19 +38,21 @@ def test_real_job_with_a_failing_worker_is_torn_down():
     assert not [p for p in pids if alive(p)]
 
 
-@pytest.mark.timeout(120)
-def test_hand_started_byteps_style_job():
-    """Scheduler, server and workers each started with DMLC_* variables, as with BytePS."""
-    common = dict(DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="127.0.0.1",
-                  DMLC_PS_ROOT_PORT=str(free_port()), BYTEPS_LOCAL_SIZE="1")
+def _hand_started_job(worker_env: dict, worker_ids=("0", "1")) -> list[str]:
+    """Starts scheduler, server and one `DMLC_ROLE=worker` launcher per worker host by
+    hand, as with BytePS, and returns each process's output (all must exit 0)."""
+    common = dict(DMLC_NUM_WORKER=str(len(worker_ids)), DMLC_NUM_SERVER="1",
+                  DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()))
     procs = []
     try:
         for role in ("scheduler", "server"):
-            env = subprocess_env(DMLC_ROLE=role, **common)
-            procs.append(subprocess.Popen(LAUNCH, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        for worker_id in ("0", "1"):
-            env = subprocess_env(DMLC_ROLE="worker", DMLC_WORKER_ID=worker_id, **common)
+            procs.append(subprocess.Popen(LAUNCH, cwd=REPO,
+                                          env=subprocess_env(DMLC_ROLE=role, **common),
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        for worker_id in worker_ids:
+            env = subprocess_env(DMLC_ROLE="worker", DMLC_WORKER_ID=worker_id, **common,
+                                 **worker_env)
             procs.append(subprocess.Popen([*LAUNCH, *WORKER], cwd=REPO, env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
@@ -60,7 +62,14 @@ def test_hand_started_byteps_style_job():
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert [p.returncode for p in procs] == [0, 0, 0, 0], outputs
+    assert [p.returncode for p in procs] == [0] * len(procs), outputs
+    return outputs
+
+
+@pytest.mark.timeout(120)
+def test_hand_started_byteps_style_job():
+    """Scheduler, server and workers each started with DMLC_* variables, as with BytePS."""
+    outputs = _hand_started_job({"BYTEPS_LOCAL_SIZE": "1"})
     assert "rank 0 of 2: sum 3 expected 3" in outputs[2]
     assert "rank 1 of 2: sum 3 expected 3" in outputs[3]
 
@@ -73,29 +82,7 @@ def test_hand_started_job_of_two_hosts_with_two_processes_each():
     scheduler learns it from the workers. Each host's processes come from one
     ``DMLC_ROLE=worker python -m bpstrain.launch`` (bpslaunch's job).
     """
-    common = dict(DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="127.0.0.1",
-                  DMLC_PS_ROOT_PORT=str(free_port()))
-    procs = []
-    try:
-        for role in ("scheduler", "server"):
-            procs.append(subprocess.Popen(LAUNCH, cwd=REPO, env=subprocess_env(DMLC_ROLE=role,
-                                                                               **common),
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
-        for worker_id in ("0", "1"):
-            env = subprocess_env(DMLC_ROLE="worker", DMLC_WORKER_ID=worker_id,
-                                 BYTEPS_LOCAL_SIZE="2", **common)
-            procs.append(subprocess.Popen([*LAUNCH, *WORKER], cwd=REPO, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
-        outputs = [p.communicate(timeout=90)[0] for p in reversed(procs)][::-1]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0, 0, 0], outputs
-    host0, host1 = outputs[2], outputs[3]
+    host0, host1 = _hand_started_job({"BYTEPS_LOCAL_SIZE": "2"})[2:]
     assert "[worker 0] rank 0 of 4: sum 10 expected 10" in host0
     assert "[worker 1] rank 1 of 4: sum 10 expected 10" in host0
     assert "[worker 2] rank 2 of 4: sum 10 expected 10" in host1
