@@ -133,7 +133,8 @@ void Worker::Rendezvous() {
 
 void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
   // The probe runs only when something is left to the engine: the partition size (the
-  // scheduler sizes partitions from the slowest participant's estimate) or the credit.
+  // scheduler sizes partitions from the slowest participant's estimate), the credit or
+  // the socket send buffer.
   const bool auto_part = opts_.partition_bytes == 0;
   const bool auto_sndbuf = opts_.socket_send_buffer < 0;
   if (auto_part || opts_.credit_bytes == 0 || auto_sndbuf) {
