@@ -133,6 +133,12 @@ PYBIND11_MODULE(_core, m) {
       py::arg("server_hosts"), py::arg("worker_hosts"), py::arg("mixed") = true,
       "Fraction of the bytes each server holds, given each server's and worker's host.");
 
+  py::enum_<Op>(m, "Op", "What one operation does with the ranks' tensors.")
+      .value("SUM", Op::kSum)
+      .value("AVERAGE", Op::kAverage)
+      .value("BROADCAST", Op::kBroadcast);
+  py::implicitly_convertible<int, Op>();  // 0/1/2 as before
+
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init([](int workers, int servers, const std::string& host, int port,
                        double rendezvous_timeout, double peer_timeout, const std::string& secret,
@@ -229,25 +235,35 @@ PYBIND11_MODULE(_core, m) {
                              "True when this worker reduces through its host's shared memory.")
       .def(
           "declare",
-          [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape) {
-            DType t = ParseDType(dtype);
+          [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
+             const std::string& device, const std::string& layout) {
+            OpRequest r;
+            r.name = name;
+            r.dtype = ParseDType(dtype);
+            r.shape = std::move(shape);
+            r.device = device;
+            r.layout = layout;
             py::gil_scoped_release nogil;
-            w.Declare(name, t, shape);
+            w.Declare(r);
           },
-          py::arg("name"), py::arg("dtype"), py::arg("shape"))
+          py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("device") = "cpu", py::arg("layout") = "",
+          "Declares `name` now (ops declare on first use). A later use with another dtype, shape,\n"
+          "device or layout declares it afresh, checked across ranks like the first.")
       .def(
           "enqueue",
           [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
-             py::buffer input, py::buffer output, int op, int root, int priority, int participants) {
+             py::buffer input, py::buffer output, Op op, int root, int priority, int participants,
+             const std::string& device, const std::string& layout) {
             OpRequest r;
             r.participants = participants;
             r.name = name;
             r.dtype = ParseDType(dtype);
             r.shape = std::move(shape);
-            if (op < 0 || op > 2) throw Error(Error::kConfig, "op must be 0 (sum), 1 (average) or 2 (broadcast)");
-            r.op = static_cast<Op>(op);
+            r.op = op;
             r.root = root;
             r.priority = priority;
+            r.device = device;
+            r.layout = layout;
             BufferView in = View(input, false, "input"), out = View(output, true, "output");
             const size_t want = static_cast<size_t>(Elements(r.shape)) * DTypeSize(r.dtype);
             if (in.nbytes != want || out.nbytes != want)
@@ -261,7 +277,10 @@ PYBIND11_MODULE(_core, m) {
             return w.Enqueue(r);
           },
           py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("input"), py::arg("output"),
-          py::arg("op"), py::arg("root") = 0, py::arg("priority") = 0, py::arg("participants") = 0)
+          py::arg("op"), py::arg("root") = 0, py::arg("priority") = 0, py::arg("participants") = 0,
+          py::arg("device") = "cpu", py::arg("layout") = "",
+          "Queues one operation (`op`: Op.SUM, Op.AVERAGE or Op.BROADCAST); returns its handle.\n"
+          "`device` and `layout` are compared across ranks with the shape and dtype.")
       .def("enqueue_barrier", &Worker::EnqueueBarrier, py::call_guard<py::gil_scoped_release>())
       .def("poll", &Worker::Poll, py::arg("handle"))
       .def("wait", &Worker::WaitFor, py::arg("handle"), py::arg("seconds"),

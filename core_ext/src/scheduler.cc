@@ -270,11 +270,7 @@ void Scheduler::HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader
       std::lock_guard<std::mutex> lk(mu_);
       if (++barrier_count_ < num_workers_) return;
       barrier_count_ = 0;
-      FrameHeader r;
-      r.type = static_cast<uint16_t>(MsgType::kBarrierReply);
-      for (auto& n : nodes_)
-        if (n->role == Role::kWorker && !n->goodbye) try { n->conn->Send(r); } catch (...) {}
-      return;
+      return SendToWorkersLocked(MsgType::kBarrierReply);
     }
     case MsgType::kGoodbye: {
       std::lock_guard<std::mutex> lk(mu_);
@@ -303,65 +299,90 @@ void Scheduler::HandleDeclare(const std::shared_ptr<Node>& node, const std::stri
   d.partition_bytes = r.I64();
   d.participants = static_cast<int>(r.U32());
   d.link_bytes_per_s = r.I64();
+  d.device = r.Str();
+  d.layout = r.Str();
   if (!ValidDType(d.dtype) || d.partition_bytes < 0 || d.participants < 1 || d.participants > num_workers_ ||
-      d.link_bytes_per_s < 0)
-    throw FrameError("declare with bad dtype/partition/participants/link");
+      d.link_bytes_per_s < 0 || d.device.size() > 64 || d.layout.size() > 256)
+    throw FrameError("declare with bad dtype/partition/participants/link/device/layout");
+  for (int64_t dim : d.shape)
+    if (dim < 0) throw FrameError("declare with a negative dimension");
   std::lock_guard<std::mutex> lk(mu_);
   if (node->role != Role::kWorker) throw FrameError("declare from a non-worker");
   auto& pend = pending_decls_[name];
-  pend[node->rank] = d;
+  pend[node->rank].push_back(d);
   if (static_cast<int>(pend.size()) < d.participants) return;
 
-  // Every rank has declared `name`: compare them all against rank 0 (or the registry).
+  // Every rank has declared `name`: compare their oldest declarations with each other.
+  std::map<int64_t, Declaration> decls;
+  for (auto it = pend.begin(); it != pend.end();) {
+    decls[it->first] = it->second.front();
+    it->second.pop_front();
+    it = it->second.empty() ? pend.erase(it) : std::next(it);
+  }
+  if (pend.empty()) pending_decls_.erase(name);
   auto describe = [](const Declaration& x) {
-    return std::string("dtype=") + DTypeName(static_cast<DType>(x.dtype)) +
-           " shape=" + ShapeString(x.shape);
+    std::string s = std::string("dtype=") + DTypeName(static_cast<DType>(x.dtype)) + " shape=" + ShapeString(x.shape);
+    if (x.device != "cpu") s += " device=" + x.device;
+    if (!x.layout.empty()) s += " layout=" + x.layout;
+    return s;
   };
   std::string error;
-  const Declaration* ref = &pend.begin()->second;
-  int64_t ref_rank = pend.begin()->first;
-  auto reg = registry_.find(name);
-  for (auto& [rank, decl] : pend) {
+  const Declaration* ref = &decls.begin()->second;
+  int64_t ref_rank = decls.begin()->first;
+  for (auto& [rank, decl] : decls) {
     if (decl == *ref) continue;
     error = "tensor '" + name + "' disagrees across ranks: rank " + std::to_string(ref_rank) + " has " +
             describe(*ref) + " but rank " + std::to_string(rank) + " has " + describe(decl);
+    if (decl.device != ref->device) error += " (device " + ref->device + " vs " + decl.device + ")";
+    if (decl.layout != ref->layout) error += " (layout '" + ref->layout + "' vs '" + decl.layout + "')";
     if (decl.partition_bytes != ref->partition_bytes)
       error += " (partition_bytes " + std::to_string(ref->partition_bytes) + " vs " +
                std::to_string(decl.partition_bytes) + ")";
     break;
   }
-  if (error.empty() && reg != registry_.end() && !(reg->second.decl == *ref))
-    error = "tensor '" + name + "' was registered earlier with " + describe(reg->second.decl) +
-            " but every rank now declares " + describe(*ref);
   MetaWriter w;
   w.Str(name);
   if (!error.empty()) {
-    w.U32(1).Str(error + ". Use the same shape and dtype on every rank (or another name).");
+    w.U32(1).Str(error + ". Use the same shape, dtype and device on every rank (or another name).");
   } else {
-    if (reg == registry_.end()) {
-      // An auto partition size follows the slowest participant's link.
-      Declaration placed = *ref;
-      for (auto& [rank, decl] : pend)
+    auto reg = registry_.find(name);
+    if (reg == registry_.end() || !(reg->second.decl == *ref)) {
+      // First declaration, or every rank now declares the name with another shape: a
+      // new tensor (new keys), placed afresh.
+      if (reg != registry_.end()) ReleaseLocked(reg->second.placement);
+      Declaration placed = *ref;  // an auto partition size follows the slowest link
+      for (auto& [rank, decl] : decls)
         if (decl.link_bytes_per_s > 0 && (placed.link_bytes_per_s == 0 || decl.link_bytes_per_s < placed.link_bytes_per_s))
           placed.link_bytes_per_s = decl.link_bytes_per_s;
-      reg = registry_.emplace(name, Tensor{next_tensor_id_, *ref, PlaceLocked(next_tensor_id_, placed)}).first;
+      registry_[name] = Tensor{next_tensor_id_, *ref, PlaceLocked(next_tensor_id_, placed)};
+      reg = registry_.find(name);
       ++next_tensor_id_;
     }
     w.U32(0);
-    std::string bytes = w.bytes() + reg->second.placement;
-    w = MetaWriter();
-    FrameHeader h;
-    h.type = static_cast<uint16_t>(MsgType::kDeclareReply);
-    for (auto& n : nodes_)
-      if (n->role == Role::kWorker) try { n->conn->Send(h, bytes); } catch (...) {}
-    pending_decls_.erase(name);
-    return;
+    return SendToWorkersLocked(MsgType::kDeclareReply, w.bytes() + reg->second.placement, &decls);
   }
+  SendToWorkersLocked(MsgType::kDeclareReply, w.bytes(), &decls);
+}
+
+void Scheduler::SendToWorkersLocked(MsgType type, const std::string& meta,
+                                    const std::map<int64_t, Declaration>* only) {
   FrameHeader h;
-  h.type = static_cast<uint16_t>(MsgType::kDeclareReply);
+  h.type = static_cast<uint16_t>(type);
   for (auto& n : nodes_)
-    if (n->role == Role::kWorker) try { n->conn->Send(h, w.bytes()); } catch (...) {}
-  pending_decls_.erase(name);
+    if (n->role == Role::kWorker && !n->goodbye && (!only || only->count(n->rank)))
+      try { n->conn->Send(h, meta); } catch (...) {}
+}
+
+void Scheduler::ReleaseLocked(const std::string& placement) {
+  MetaReader r(placement);
+  r.I64();
+  uint32_t n = r.U32();
+  for (uint32_t p = 0; p < n; ++p) {
+    r.I64();
+    int64_t len = r.I64();
+    uint32_t server = r.U32();
+    server_load_[server] -= std::max<int64_t>(len, 1);
+  }
 }
 
 std::string Scheduler::PlaceLocked(int64_t id, const Declaration& d) {

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -57,9 +58,11 @@ class Scheduler {
     int64_t partition_bytes;  // 0 = auto (from link_bytes_per_s)
     int participants;  // ranks that declare it: all, or one per host for hierarchical slices
     int64_t link_bytes_per_s = 0;  // the declaring worker's measured link; not compared
+    std::string device;  // where the adapter keeps it ("cpu", "cuda")
+    std::string layout;  // how the adapter cut it into engine tensors ("" = whole)
     bool operator==(const Declaration& o) const {
       return dtype == o.dtype && shape == o.shape && partition_bytes == o.partition_bytes &&
-             participants == o.participants;
+             participants == o.participants && device == o.device && layout == o.layout;
     }
   };
   struct Tensor {
@@ -80,6 +83,10 @@ class Scheduler {
   void FailLocked(const std::string& msg);
   void MonitorLoop();
   std::string PlaceLocked(int64_t id, const Declaration& d);
+  // To every worker still in the job, or only to the ranks in `only`.
+  void SendToWorkersLocked(MsgType type, const std::string& meta = "",
+                           const std::map<int64_t, Declaration>* only = nullptr);
+  void ReleaseLocked(const std::string& placement);  // a re-declared tensor's old bytes
   void SendError(const std::shared_ptr<Node>& node, const std::string& msg);
 
   SchedulerOptions opts_;
@@ -95,7 +102,9 @@ class Scheduler {
   Error::Kind failure_kind_ = Error::kPeer;
   std::atomic<bool> stopping_{false};
   Clock::time_point start_time_;
-  std::map<std::string, std::map<int64_t, Declaration>> pending_decls_;
+  // name -> rank -> that rank's declarations not yet matched, oldest first (a rank may
+  // re-declare a name before a slower rank declared it the first time).
+  std::map<std::string, std::map<int64_t, std::deque<Declaration>>> pending_decls_;
   std::map<std::string, Tensor> registry_;
   std::vector<int64_t> server_load_;
   std::vector<double> server_share_;  // fraction of all bytes each server should hold

@@ -30,6 +30,7 @@ struct Worker::Tensor {
   std::string name;
   DType dtype;
   std::vector<int64_t> shape;
+  std::string device, layout;
   int64_t id = -1;
   bool declared = false;
   std::vector<Part> parts;
@@ -187,36 +188,43 @@ void Worker::SendDeclareLocked(Tensor& t) {
   w.Str(t.name).U32(static_cast<uint32_t>(t.dtype)).I64Vec(t.shape).I64(opts_.partition_bytes);
   w.U32(static_cast<uint32_t>(t.participants));
   w.I64(static_cast<int64_t>(link_.bytes_per_s));  // for an auto partition size
+  w.Str(t.device).Str(t.layout);
   control_.Send(MsgType::kDeclare, w.bytes());
 }
 
-void Worker::Declare(const std::string& name, DType dtype, const std::vector<int64_t>& shape) {
+void Worker::Declare(const OpRequest& req) {
   std::lock_guard<std::mutex> lk(mu_);
-  DeclareLocked(name, dtype, shape);
+  DeclareLocked(req, 0);
 }
 
-Worker::Tensor& Worker::DeclareLocked(const std::string& name, DType dtype,
-                                      const std::vector<int64_t>& shape, int participants) {
+Worker::Tensor& Worker::DeclareLocked(const OpRequest& req, int participants) {
   if (failed_) throw Error(fail_kind_, "the engine failed earlier: " + fail_msg_);
   if (!ready_) throw Error(Error::kGeneric, "the worker is not initialized; call init() first");
-  auto it = tensors_.find(name);
+  participants = participants ? participants : size_;
+  auto it = tensors_.find(req.name);
   if (it != tensors_.end()) {
-    if (it->second->dtype != dtype || it->second->shape != shape)
-      throw Error(Error::kMismatch, "tensor '" + name + "' was declared on this rank with " +
-                                        bps::Describe(it->second->dtype, it->second->shape) +
-                                        "; it cannot change. Received: " + bps::Describe(dtype, shape));
-    return *it->second;
+    const Tensor& t = *it->second;
+    if (t.dtype == req.dtype && t.shape == req.shape && t.device == req.device && t.layout == req.layout &&
+        t.participants == participants)
+      return *it->second;
+    // Another dtype/shape/device/layout: the name is declared afresh (see Declare).
   }
-  auto t = std::make_unique<Tensor>();
-  t->name = name;
-  t->dtype = dtype;
-  t->shape = shape;
-  t->participants = participants ? participants : size_;
+  auto t = std::make_shared<Tensor>();
+  t->name = req.name;
+  t->dtype = req.dtype;
+  t->shape = req.shape;
+  t->device = req.device;
+  t->layout = req.layout;
+  t->participants = participants;
   SendDeclareLocked(*t);
-  return *(tensors_[name] = std::move(t));
+  awaiting_reply_[req.name].push_back(t);
+  return *(tensors_[req.name] = std::move(t));
 }
 
 int64_t Worker::Enqueue(const OpRequest& req) {
+  if (req.op != Op::kSum && req.op != Op::kAverage && req.op != Op::kBroadcast)
+    throw Error(Error::kConfig, "op must be Op.SUM (0), Op.AVERAGE (1) or Op.BROADCAST (2). Received: " +
+                                    std::to_string(static_cast<int>(req.op)));
   if (req.op == Op::kBroadcast && (req.root < 0 || req.root >= size_))
     throw Error(Error::kConfig, "broadcast root must be in [0, " + std::to_string(size_) +
                                     "). Received: root_rank=" + std::to_string(req.root));
@@ -233,7 +241,7 @@ int64_t Worker::Enqueue(const OpRequest& req) {
     std::shared_ptr<Handle> h;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      Tensor& t = DeclareLocked(req.name, req.dtype, req.shape);
+      Tensor& t = DeclareLocked(req, 0);
       h = std::make_shared<Handle>();
       h->id = next_handle_++;
       h->req = req;
@@ -253,7 +261,7 @@ int64_t Worker::Enqueue(const OpRequest& req) {
     return h->id;
   }
   std::lock_guard<std::mutex> lk(mu_);
-  Tensor& t = DeclareLocked(req.name, req.dtype, req.shape, req.participants);
+  Tensor& t = DeclareLocked(req, req.participants);
   auto h = std::make_shared<Handle>();
   h->id = next_handle_++;
   h->req = req;
@@ -348,13 +356,20 @@ std::vector<std::shared_ptr<Worker::Handle>> Worker::OnDeclareReplyLocked(const 
   std::string name = r.Str();
   uint32_t status = r.U32();
   std::vector<std::shared_ptr<Handle>> to_group;
-  auto it = tensors_.find(name);
-  if (it == tensors_.end()) return to_group;
-  Tensor& t = *it->second;
+  auto pending = awaiting_reply_.find(name);
+  if (pending == awaiting_reply_.end() || pending->second.empty())
+    throw FrameError("declare reply for '" + name + "', which this worker did not declare");
+  std::shared_ptr<Tensor> held = pending->second.front();
+  pending->second.pop_front();
+  if (pending->second.empty()) awaiting_reply_.erase(pending);
+  Tensor& t = *held;
   if (status != 0) {
     std::string msg = r.Str();
     for (auto& h : t.waiting) FailHandleLocked(h, Error::kMismatch, msg);
-    tensors_.erase(it);  // every rank forgets it, so a corrected retry declares afresh
+    t.waiting.clear();
+    // Every rank forgets it, so a corrected retry declares afresh.
+    auto it = tensors_.find(name);
+    if (it != tensors_.end() && it->second == held) tensors_.erase(it);
     return to_group;
   }
   t.id = r.I64();

@@ -77,6 +77,11 @@ struct OpRequest {
   int root = 0;                 // broadcast only
   int priority = 0;             // larger = sooner; adapters pass -parameter_index
   int participants = 0;         // ranks taking part; 0 = all (hierarchical slices: hosts)
+  // Where the adapter keeps the tensor ("cpu", "cuda", ...) and how it cut it into
+  // engine tensors ("" = whole; e.g. "chunks:1048576"): both are part of the
+  // declaration, so ranks that disagree fail with MismatchError instead of mixing.
+  std::string device = "cpu";
+  std::string layout;
 };
 
 // Wall-clock microseconds (system_clock) of one finished operation's phases, recorded
@@ -112,8 +117,15 @@ class Worker {
   int64_t credit_bytes() const { return credit_; }
   bool hierarchical() const { return group_ != nullptr; }
 
-  // Tells the scheduler about `name` now (optional: ops declare on first use).
-  void Declare(const std::string& name, DType dtype, const std::vector<int64_t>& shape);
+  // Tells the scheduler about `name` now (optional: ops declare on first use). Only
+  // name, dtype, shape, device and layout of `req` are used.
+  //
+  // Re-declaring: a name keeps its declaration until a use with another dtype, shape,
+  // device or layout; that use declares the name afresh (a new tensor for the
+  // scheduler, checked across ranks like the first). Ranks must change it in the same
+  // order; a rank that keeps using the old shape while the others moved on waits, as
+  // with any op that not every rank calls (Describe() says so).
+  void Declare(const OpRequest& req);
   // Queues an operation; returns a handle. Throws Error if the engine has failed.
   int64_t Enqueue(const OpRequest& req);
   int64_t EnqueueBarrier();
@@ -175,8 +187,7 @@ class Worker {
   std::shared_ptr<Handle> TakeHandle(int64_t id, bool* done);
   void SendDeclareLocked(Tensor& t);
   void StartLocalGroup(uint64_t job_id);
-  Tensor& DeclareLocked(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
-                        int participants = 0);
+  Tensor& DeclareLocked(const OpRequest& req, int participants);
 
   WorkerOptions opts_;
   std::vector<int> cpus_;
@@ -198,7 +209,10 @@ class Worker {
   Error::Kind fail_kind_ = Error::kGeneric;
   std::string fail_msg_;
   std::atomic<bool> stopping_{false};
-  std::unordered_map<std::string, std::unique_ptr<Tensor>> tensors_;
+  std::unordered_map<std::string, std::shared_ptr<Tensor>> tensors_;  // current declaration
+  // Declarations sent and not answered yet, per name, oldest first: the scheduler
+  // answers one name's declarations in the order they were made.
+  std::unordered_map<std::string, std::deque<std::shared_ptr<Tensor>>> awaiting_reply_;
   std::unordered_map<int64_t, std::shared_ptr<Handle>> handles_;
   std::vector<std::priority_queue<Task, std::vector<Task>, TaskOrder>> queues_;
   std::map<std::pair<uint64_t, uint64_t>, Task> in_flight_;

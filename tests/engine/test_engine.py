@@ -154,12 +154,37 @@ def test_shape_mismatch_raises_on_every_rank_and_job_stays_usable():
         assert all(np.all(x == 2) for x in res)
 
 
-def test_local_shape_change_of_a_name_is_rejected():
-    with InProcessCluster(1, 1) as c:
-        w = c.workers[0]
-        push_pull(w, "n", np.ones(3, np.float32))
-        with pytest.raises(MismatchError, match="cannot change"):
-            push_pull(w, "n", np.ones(4, np.float32))
+def test_a_name_may_change_shape_when_every_rank_does():
+    # The documented policy: a use with another shape declares the name afresh, checked
+    # across ranks like the first declaration; the old shape still works after that.
+    with InProcessCluster(2, 2, partition_bytes=64) as c:
+        for shape in [(3,), (40,), (3,), (2, 5)]:
+            res = c.run_all(lambda r, w: push_pull(w, "n", np.full(shape, r + 1.0, np.float32), OP_SUM))
+            assert all(x.shape == shape and np.all(x == 3) for x in res)
+
+
+def test_a_shape_change_on_one_rank_only_fails_on_every_rank():
+    with InProcessCluster(2, 1) as c:
+        c.run_all(lambda r, w: push_pull(w, "n", np.ones(3, np.float32)))
+
+        def job(rank, w):
+            with pytest.raises(MismatchError, match="disagrees across ranks"):
+                push_pull(w, "n", np.ones(4 if rank == 0 else 5, np.float32))
+            return push_pull(w, "n", np.ones(6, np.float32))  # corrected: works
+
+        assert all(np.all(x == 2) for x in c.run_all(job))
+
+
+@pytest.mark.parametrize("field,values", [("device", ("cpu", "cuda")), ("layout", ("", "chunks:1024"))])
+def test_device_and_layout_are_part_of_the_declaration(field, values):
+    with InProcessCluster(2, 1) as c:
+        def job(rank, w):
+            x = np.ones(4, np.float32)
+            h = w.enqueue("d", "float32", [4], x, np.empty_like(x), _core.Op.SUM, **{field: values[rank]})
+            with pytest.raises(MismatchError, match=f"{field}"):
+                wait(w, h)
+
+        c.run_all(job)
 
 
 def test_bad_arguments_raise_clear_errors():
