@@ -14,6 +14,7 @@
 #include "../src/reduce.h"
 #include "../src/scheduler.h"
 #include "../src/server.h"
+#include "../src/transport.h"
 #include "../src/tuning.h"
 #include "../src/worker.h"
 
@@ -139,11 +140,58 @@ PYBIND11_MODULE(_core, m) {
       .value("BROADCAST", Op::kBroadcast);
   py::implicitly_convertible<int, Op>();  // 0/1/2 as before
 
+  // A raw frame link for tests that play a hostile or broken peer over any transport.
+  py::class_<Link>(m, "RawLink", "One frame link opened with connect_raw(); for tests and tools.")
+      .def(
+          "send",
+          [](Link& l, int type, py::bytes meta, py::bytes body, uint64_t key, uint64_t version, int64_t arg,
+             int flags, int sender) {
+            FrameHeader h;
+            h.type = static_cast<uint16_t>(type);
+            h.key = key;
+            h.version = version;
+            h.arg = arg;
+            h.flags = static_cast<uint16_t>(flags);
+            h.sender = sender;
+            std::string m = meta, b = body;
+            py::gil_scoped_release nogil;
+            l.Send(h, m, b.data(), b.size());
+          },
+          py::arg("type"), py::arg("meta") = py::bytes(), py::arg("body") = py::bytes(), py::arg("key") = 0,
+          py::arg("version") = 0, py::arg("arg") = 0, py::arg("flags") = 0, py::arg("sender") = -1)
+      .def(
+          "recv",
+          [](Link& l, double timeout) -> py::object {
+            FrameHeader h;
+            std::string meta, body;
+            {
+              py::gil_scoped_release nogil;
+              l.SetRecvTimeout(timeout);
+              if (!l.RecvFrame(&h, &meta, kMaxBodyLen)) return py::none();
+              body.resize(h.body_len);
+              if (h.body_len) l.RecvBody(&body[0], h.body_len);
+            }
+            return py::make_tuple(h.type, h.key, h.version, h.arg, py::bytes(meta), py::bytes(body));
+          },
+          py::arg("timeout") = 10.0, "(type, key, version, arg, meta, body) of the next frame; None at the end.")
+      .def("shutdown", &Link::Shutdown);
+  m.def(
+      "connect_raw",
+      [](const std::string& transport, const std::string& host, int port, double timeout) {
+        auto t = Transport::Get(transport);
+        std::string ep = t->Endpoint(host, port);
+        py::gil_scoped_release nogil;
+        return t->Connect(ep, timeout, nullptr);
+      },
+      py::arg("transport"), py::arg("host"), py::arg("port"), py::arg("timeout") = 10.0,
+      "A RawLink to host:port over `transport` (\"tcp\" or \"inproc\").");
+
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init([](int workers, int servers, const std::string& host, int port,
                        double rendezvous_timeout, double peer_timeout, const std::string& secret,
-                       int local_size, bool mixed_mode) {
+                       int local_size, bool mixed_mode, const std::string& transport) {
              SchedulerOptions o;
+             o.transport = transport;
              o.num_workers = workers;
              o.local_size = local_size;
              o.mixed_mode = mixed_mode;
@@ -158,7 +206,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("num_workers"), py::arg("num_servers"), py::arg("host") = "0.0.0.0",
            py::arg("port") = 0, py::arg("rendezvous_timeout") = 120.0,
            py::arg("peer_timeout") = 30.0, py::arg("secret") = "", py::arg("local_size") = 0,
-           py::arg("mixed_mode") = true)
+           py::arg("mixed_mode") = true, py::arg("transport") = "tcp")
       .def_property_readonly("port", &Scheduler::port)
       .def("start", &Scheduler::Start)
       .def("wait", &WaitReleased<Scheduler>, py::arg("seconds"))
@@ -168,8 +216,9 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](const std::string& scheduler_host, int scheduler_port,
                        const std::string& listen_host, const std::string& advertise_host, int server_id,
                        int engine_threads, const std::string& numa, double rendezvous_timeout,
-                       const std::string& secret, const std::string& host_id) {
+                       const std::string& secret, const std::string& host_id, const std::string& transport) {
              ServerOptions o;
+             o.transport = transport;
              o.host_id = host_id;
              o.scheduler_host = scheduler_host;
              o.scheduler_port = scheduler_port;
@@ -185,7 +234,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("scheduler_host"), py::arg("scheduler_port"), py::arg("listen_host") = "0.0.0.0",
            py::arg("advertise_host") = "", py::arg("server_id") = -1, py::arg("engine_threads") = 2,
            py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
-           py::arg("host_id") = "")
+           py::arg("host_id") = "", py::arg("transport") = "tcp")
       .def_property_readonly("port", &Server::port)
       .def("start", &Server::Start)
       .def("wait", &WaitReleased<Server>, py::arg("seconds"))
@@ -196,8 +245,10 @@ PYBIND11_MODULE(_core, m) {
                        int local_rank, int local_size, int64_t partition_bytes, int64_t credit_bytes,
                        int connections_per_server, bool priority, const std::string& numa,
                        double rendezvous_timeout, const std::string& secret, int hierarchical,
-                       int socket_send_buffer, const std::string& advertise_host, const std::string& host_id) {
+                       int socket_send_buffer, const std::string& advertise_host, const std::string& host_id,
+                       const std::string& transport) {
              WorkerOptions o;
+             o.transport = transport;
              o.advertise_host = advertise_host;
              o.host_id = host_id;
              o.hierarchical = hierarchical;
@@ -221,7 +272,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("credit_bytes") = 0, py::arg("connections_per_server") = 1, py::arg("priority") = true,
            py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
            py::arg("hierarchical") = static_cast<int>(WorkerOptions::kAuto), py::arg("socket_send_buffer") = -1,
-           py::arg("advertise_host") = "", py::arg("host_id") = "")
+           py::arg("advertise_host") = "", py::arg("host_id") = "", py::arg("transport") = "tcp")
       .def("start", &Worker::Start)
       .def("wait_ready", &Worker::WaitReady, py::arg("seconds"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Worker::rank)

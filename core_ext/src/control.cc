@@ -26,16 +26,16 @@ std::string SecretToken(const std::string& secret) {
   return buf;
 }
 
-Welcome ControlClient::Connect(const std::string& host, int port, const NodeInfo& me,
+Welcome ControlClient::Connect(Transport& transport, const std::string& endpoint, const NodeInfo& me,
                                double timeout_s, Handler on_frame, LostHandler on_lost,
                                const std::atomic<bool>* cancel) {
   auto start = Clock::now();
-  conn_ = std::make_unique<Connection>(ConnectWithRetry(host, port, timeout_s, cancel),
-                                       "scheduler " + host + ":" + std::to_string(port));
+  conn_ = transport.Connect(endpoint, timeout_s, cancel);
+  conn_->set_peer("scheduler " + endpoint);
   char hostname[256] = {0};
   gethostname(hostname, sizeof hostname - 1);
   MetaWriter w;
-  w.U32(static_cast<uint32_t>(me.role)).I64(me.rank_hint).U32(static_cast<uint32_t>(me.listen_port));
+  w.U32(static_cast<uint32_t>(me.role)).I64(me.rank_hint).Str(me.listen_endpoint);
   w.Str(me.advertise_host).Str(SecretToken(me.secret)).I64(getpid()).Str(hostname);
   w.U32(static_cast<uint32_t>(me.local_size)).Str(me.host_id);
   FrameHeader h;
@@ -76,16 +76,13 @@ Welcome ControlClient::Connect(const std::string& host, int port, const NodeInfo
     wel.rank = rd.I64();
     wel.num_workers = static_cast<int>(rd.U32());
     wel.num_servers = static_cast<int>(rd.U32());
-    for (int i = 0; i < wel.num_servers; ++i) {
-      std::string sh = rd.Str();
-      int sp = static_cast<int>(rd.U32());
-      wel.servers.emplace_back(sh, sp);
-    }
+    for (int i = 0; i < wel.num_servers; ++i) wel.servers.push_back(rd.Str());
     wel.job_id = static_cast<uint64_t>(rd.I64());
   } catch (const FrameError& e) {
     throw Error(Error::kPeer, std::string("malformed welcome from the scheduler: ") + e.what());
   }
   my_rank_ = wel.rank;
+  outbox_ = std::make_unique<Outbox>(conn_.get());
   on_frame_ = std::move(on_frame);
   on_lost_ = std::move(on_lost);
   reader_ = std::thread([this] { ReadLoop(); });
@@ -99,7 +96,8 @@ void ControlClient::Send(MsgType type, const std::string& meta, uint64_t key, in
   h.key = key;
   h.arg = arg;
   h.sender = static_cast<int32_t>(my_rank_);
-  conn_->Send(h, meta);
+  if (!outbox_) throw Error(Error::kGeneric, "the control connection is not open");
+  outbox_->Post(h, meta);
 }
 
 void ControlClient::ReadLoop() {
@@ -120,19 +118,17 @@ void ControlClient::HeartbeatLoop() {
   while (!closing_.load()) {
     hb_cv_.wait_for(lk, std::chrono::seconds(1));
     if (closing_.load()) break;
-    try {
-      Send(MsgType::kHeartbeat);
-    } catch (const std::exception&) {
-      break;  // the reader reports the loss
-    }
+    if (outbox_->broken()) break;  // the reader reports the loss
+    Send(MsgType::kHeartbeat);
   }
 }
 
-void ControlClient::Close() {
+void ControlClient::Close(double flush_s) {
   if (closing_.exchange(true)) return;
   hb_cv_.notify_all();
-  if (conn_) conn_->Shutdown();
   if (heartbeat_.joinable()) heartbeat_.join();
+  if (outbox_) outbox_->Close(flush_s);
+  if (conn_) conn_->Shutdown();
   if (reader_.joinable()) {
     if (reader_.get_id() == std::this_thread::get_id()) reader_.detach();
     else reader_.join();

@@ -1,6 +1,8 @@
 // The control-plane client every server and worker uses to talk to the scheduler:
 // handshake (kHello -> kWelcome), heartbeats, and a reader thread that hands every
-// later control frame to the owner's callback. Written once, used by both roles.
+// later control frame to the owner's callback. Written once, used by both roles, over
+// any Transport. Sends are queued (Outbox): a caller holding its own lock never blocks
+// on the scheduler.
 #pragma once
 
 #include <atomic>
@@ -13,7 +15,7 @@
 #include <vector>
 
 #include "common.h"
-#include "net.h"
+#include "transport.h"
 
 namespace bps {
 
@@ -24,7 +26,7 @@ const char* RoleName(Role r);
 struct NodeInfo {
   Role role = Role::kWorker;
   int64_t rank_hint = -1;      // requested rank/server id, -1 = assign in arrival order
-  int listen_port = 0;         // servers: their data port
+  std::string listen_endpoint;  // servers: their data listener (Listener::endpoint())
   std::string advertise_host;  // "" = the scheduler uses the address it sees
   std::string secret;
   int local_size = 1;          // workers: processes on this worker host (BYTEPS_LOCAL_SIZE)
@@ -37,7 +39,7 @@ struct Welcome {
   int64_t rank = -1;
   int num_workers = 0;  // worker processes: worker hosts x local size
   int num_servers = 0;
-  std::vector<std::pair<std::string, int>> servers;  // index = server id
+  std::vector<std::string> servers;  // endpoints, index = server id
   uint64_t job_id = 0;  // random per job: names host-local shared memory
 };
 
@@ -56,18 +58,21 @@ class ControlClient {
   // Connects (retrying until `timeout_s`), sends kHello and waits for kWelcome. Then
   // starts the reader thread (frames -> `on_frame`, connection loss -> `on_lost`) and a
   // heartbeat thread. Throws Error(kTimeout/kPeer/kConfig) with the reason.
-  Welcome Connect(const std::string& host, int port, const NodeInfo& me, double timeout_s,
+  Welcome Connect(Transport& transport, const std::string& endpoint, const NodeInfo& me, double timeout_s,
                   Handler on_frame, LostHandler on_lost, const std::atomic<bool>* cancel);
 
+  // Queues a frame for the scheduler; never blocks on the network.
   void Send(MsgType type, const std::string& meta = "", uint64_t key = 0, int64_t arg = 0);
-  // Stops the threads; the connection closes without reporting a loss.
-  void Close();
+  // Sends what is queued (waiting up to `flush_s`), then stops the threads; the
+  // connection closes without reporting a loss.
+  void Close(double flush_s = 0);
 
  private:
   void ReadLoop();
   void HeartbeatLoop();
 
-  std::unique_ptr<Connection> conn_;
+  std::unique_ptr<Link> conn_;
+  std::unique_ptr<Outbox> outbox_;
   Handler on_frame_;
   LostHandler on_lost_;
   std::atomic<bool> closing_{false};

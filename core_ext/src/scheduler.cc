@@ -9,14 +9,17 @@
 
 namespace bps {
 
+// A connected node. Frames to it go through its outbox (never sent under mu_); its
+// reader thread is ServeConnection.
 struct Scheduler::Node {
-  std::shared_ptr<Connection> conn;
+  std::unique_ptr<Link> conn;
+  std::unique_ptr<Outbox> out;
   std::string peer_ip;
   Role role = Role::kWorker;
   int64_t rank_hint = -1;
   int64_t rank = -1;  // worker rank or server id once rendezvous completes
-  int listen_port = 0;
-  std::string host;  // address others use to reach a server
+  std::string endpoint;  // servers: where workers reach their data listener
+  std::string host;  // the host it runs on: DMLC_NODE_HOST or the address it came from
   int64_t pid = 0;
   std::string hostname;
   int local_size = 1;    // workers: BYTEPS_LOCAL_SIZE of its host
@@ -32,7 +35,7 @@ struct Scheduler::Node {
 };
 
 Scheduler::Scheduler(const SchedulerOptions& opts)
-    : opts_(opts), listener_(opts.host, opts.port) {
+    : opts_(opts), transport_(Transport::Get(opts.transport)), listener_(transport_->Listen(opts.host, opts.port)) {
   std::random_device rd;
   job_id_ = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(Clock::now().time_since_epoch().count());
   if (opts.num_workers < 1 || opts.num_servers < 1 || opts.local_size < 0)
@@ -56,12 +59,15 @@ void Scheduler::Start() {
 
 void Scheduler::Stop() {
   if (stopping_.exchange(true)) return;
-  listener_.Close();
+  listener_->Close();
+  std::vector<std::shared_ptr<Node>> nodes;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    for (auto& n : nodes_) n->conn->Shutdown();
+    nodes = nodes_;
     cv_.notify_all();
   }
+  // What was posted last (the failure notice, terminate) still reaches the nodes.
+  for (auto& n : nodes) n->out->Close(1.0);
   if (accept_thread_.joinable()) accept_thread_.join();
   if (monitor_thread_.joinable()) monitor_thread_.join();
   std::vector<std::thread> threads;
@@ -82,12 +88,12 @@ bool Scheduler::Wait(double seconds) {
 
 void Scheduler::AcceptLoop() {
   for (;;) {
-    std::string ip;
-    int fd = listener_.Accept(&ip);
-    if (fd < 0) return;
+    std::unique_ptr<Link> link = listener_->Accept();
+    if (!link) return;
     auto node = std::make_shared<Node>();
-    node->conn = std::make_shared<Connection>(fd, ip);
-    node->peer_ip = ip;
+    node->peer_ip = link->peer_host();
+    node->conn = std::move(link);
+    node->out = std::make_unique<Outbox>(node->conn.get());
     std::lock_guard<std::mutex> lk(mu_);
     if (stopping_) return;
     threads_.emplace_back([this, node] { ServeConnection(node); });
@@ -97,10 +103,7 @@ void Scheduler::AcceptLoop() {
 void Scheduler::SendError(const std::shared_ptr<Node>& node, const std::string& msg) {
   FrameHeader h;
   h.type = static_cast<uint16_t>(MsgType::kError);
-  try {
-    node->conn->Send(h, MetaWriter().Str(msg).bytes());
-  } catch (const std::exception&) {
-  }
+  node->out->Post(h, MetaWriter().Str(msg).bytes());
 }
 
 bool Scheduler::Handshake(const std::shared_ptr<Node>& node) {
@@ -116,7 +119,7 @@ bool Scheduler::Handshake(const std::shared_ptr<Node>& node) {
     throw FrameError("hello with unknown role " + std::to_string(role));
   node->role = static_cast<Role>(role);
   node->rank_hint = r.I64();
-  node->listen_port = static_cast<int>(r.U32());
+  std::string endpoint = r.Str();
   std::string advertise = r.Str();
   std::string token = r.Str();
   node->pid = r.I64();
@@ -125,6 +128,13 @@ bool Scheduler::Handshake(const std::shared_ptr<Node>& node) {
   std::string host_id = r.Str();
   node->host = advertise.empty() ? node->peer_ip : advertise;
   node->host_key = host_id.empty() ? node->host : host_id;
+  if (node->role == Role::kServer) {
+    try {
+      node->endpoint = transport_->CompleteEndpoint(endpoint, node->host);
+    } catch (const Error& e) {
+      throw FrameError(std::string("server hello with a bad endpoint: ") + e.what());
+    }
+  }
   node->conn->SetRecvTimeout(0);
   if (token != SecretToken(opts_.secret)) {
     LogWarn("refused a " + std::string(RoleName(node->role)) + " from " + node->peer_ip +
@@ -224,14 +234,11 @@ void Scheduler::CompleteRendezvousLocked() {
   for (auto& n : nodes_) {
     MetaWriter w;
     w.I64(n->rank).U32(num_workers_).U32(opts_.num_servers);
-    for (auto& s : servers) w.Str(s->host).U32(static_cast<uint32_t>(s->listen_port));
+    for (auto& s : servers) w.Str(s->endpoint);
     w.I64(static_cast<int64_t>(job_id_));
     FrameHeader h;
     h.type = static_cast<uint16_t>(MsgType::kWelcome);
-    try {
-      n->conn->Send(h, w.bytes());
-    } catch (const std::exception&) {
-    }  // its reader thread reports the loss
+    n->out->Post(h, w.bytes());  // a lost node: its reader thread reports it
   }
   rendezvous_done_ = true;
   LogInfo("rendezvous complete: " + std::to_string(num_workers_) + " workers, " +
@@ -252,7 +259,8 @@ void Scheduler::ServeConnection(std::shared_ptr<Node> node) {
   } catch (const std::exception& e) {
     why = std::string("lost its connection (") + e.what() + ")";
   }
-  node->conn->Shutdown();
+  // A refused node still gets the reason it was refused.
+  node->out->Close(node->registered ? 0.0 : 1.0);
   if (node->registered) OnDisconnect(node, why);
 }
 
@@ -280,7 +288,7 @@ void Scheduler::HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader
       FrameHeader r;
       r.type = static_cast<uint16_t>(MsgType::kTerminate);
       for (auto& n : nodes_)
-        if (n->role == Role::kServer) try { n->conn->Send(r); } catch (...) {}
+        if (n->role == Role::kServer) n->out->Post(r);
       finished_ = true;
       cv_.notify_all();
       return;
@@ -369,8 +377,7 @@ void Scheduler::SendToWorkersLocked(MsgType type, const std::string& meta,
   FrameHeader h;
   h.type = static_cast<uint16_t>(type);
   for (auto& n : nodes_)
-    if (n->role == Role::kWorker && !n->goodbye && (!only || only->count(n->rank)))
-      try { n->conn->Send(h, meta); } catch (...) {}
+    if (n->role == Role::kWorker && !n->goodbye && (!only || only->count(n->rank))) n->out->Post(h, meta);
 }
 
 void Scheduler::ReleaseLocked(const std::string& placement) {
@@ -438,7 +445,7 @@ void Scheduler::FailLocked(const std::string& msg) {
   // a worker should learn the real cause before it sees those close.
   for (Role role : {Role::kWorker, Role::kServer})
     for (auto& n : nodes_)
-      if (n->role == role) try { n->conn->Send(h, meta); } catch (...) {}
+      if (n->role == role) n->out->Post(h, meta);
   cv_.notify_all();
 }
 

@@ -20,7 +20,7 @@
 
 #include "common.h"
 #include "control.h"
-#include "net.h"
+#include "transport.h"
 
 namespace bps {
 
@@ -37,13 +37,14 @@ struct SchedulerOptions {
   double rendezvous_timeout = 120.0;  // seconds until every node must have joined
   double peer_timeout = 30.0;         // seconds without a heartbeat before a node is dead
   std::string secret;
+  std::string transport = "tcp";  // "tcp" or "inproc" (Transport::Get)
 };
 
 class Scheduler {
  public:
   explicit Scheduler(const SchedulerOptions& opts);
   ~Scheduler();
-  int port() const { return listener_.port(); }
+  int port() const { return listener_->port(); }
   void Start();
   // True once every worker has said goodbye and the servers were told to exit.
   // Throws the job's failure (a dead node, a rendezvous timeout).
@@ -90,7 +91,8 @@ class Scheduler {
   void SendError(const std::shared_ptr<Node>& node, const std::string& msg);
 
   SchedulerOptions opts_;
-  Listener listener_;
+  std::shared_ptr<Transport> transport_;
+  std::unique_ptr<Listener> listener_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::shared_ptr<Node>> nodes_;  // registered (handshake done)

@@ -3,64 +3,26 @@
 #include <algorithm>
 
 #include "affinity.h"
-#include "reduce.h"
 
 namespace bps {
 
-namespace {
-struct OutFrame {
-  FrameHeader h;
-  std::string meta;
-  std::shared_ptr<Buffer> body;
-};
-}  // namespace
-
-// One worker's data connection: a reader (ServeConnection) and a writer thread, so the
-// engine threads never block on the network.
+// One worker's data link: a reader (ServeConnection) and an outbox, so the engine
+// threads never block on the network.
 struct Server::Conn {
-  std::unique_ptr<Connection> link;
+  std::unique_ptr<Link> link;
+  std::unique_ptr<Outbox> out;
   int64_t worker_rank = -1;
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<OutFrame> out;
-  bool closed = false;
-  std::thread writer;
 
-  void Enqueue(OutFrame f) {
-    std::lock_guard<std::mutex> lk(mu);
-    if (closed) return;
-    out.push_back(std::move(f));
-    cv.notify_one();
+  void Reply(const FrameHeader& h, std::string meta = "", std::shared_ptr<Buffer> body = nullptr) {
+    const uint64_t len = body ? h.body_len : 0;
+    const void* data = body ? body->data() : nullptr;
+    out->Post(Outbox::Frame{h, std::move(meta), std::move(body), data, len});
   }
-  void WriterLoop() {
-    for (;;) {
-      OutFrame f;
-      {
-        std::unique_lock<std::mutex> lk(mu);
-        cv.wait(lk, [&] { return closed || !out.empty(); });
-        if (out.empty()) return;
-        f = std::move(out.front());
-        out.pop_front();
-      }
-      try {
-        link->Send(f.h, f.meta, f.body ? f.body->data() : nullptr, f.body ? f.h.body_len : 0);
-      } catch (const std::exception&) {
-        link->Shutdown();  // the reader notices and ends this connection
-        return;
-      }
-    }
-  }
-  void Close() {
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      closed = true;
-      cv.notify_all();
-    }
-    link->Shutdown();
-  }
+  void Close() { out->Close(); }
 };
 
-Server::Server(const ServerOptions& opts) : opts_(opts), listener_(opts.listen_host, 0) {
+Server::Server(const ServerOptions& opts)
+    : opts_(opts), transport_(Transport::Get(opts.transport)), listener_(transport_->Listen(opts.listen_host, 0)) {
   if (opts.engine_threads < 1 || opts.engine_threads > 256)
     throw Error(Error::kConfig, "engine_threads must be in [1, 256]. Received: engine_threads=" +
                                     std::to_string(opts.engine_threads));
@@ -77,12 +39,12 @@ void Server::Run() {
     NodeInfo me;
     me.role = Role::kServer;
     me.rank_hint = opts_.server_id;
-    me.listen_port = listener_.port();
+    me.listen_endpoint = listener_->endpoint();
     me.advertise_host = opts_.advertise_host;
     me.secret = opts_.secret;
     me.host_id = opts_.host_id;
     Welcome w = control_.Connect(
-        opts_.scheduler_host, opts_.scheduler_port, me, opts_.rendezvous_timeout,
+        *transport_, transport_->Endpoint(opts_.scheduler_host, opts_.scheduler_port), me, opts_.rendezvous_timeout,
         [this](const FrameHeader& h, const std::string& m) { OnControl(h, m); },
         [this](const std::string& why) { Finish(why); }, &stopping_);
     SetLogPrefix("bpstrain server " + std::to_string(w.rank));
@@ -95,6 +57,7 @@ void Server::Run() {
   for (int i = 0; i < opts_.engine_threads; ++i) {
     engines_.push_back(std::make_unique<EngineThread>());
     EngineThread* et = engines_.back().get();
+    et->handler = opts_.handler ? opts_.handler(pool_) : std::make_unique<SumHandler>(pool_);
     et->thread = std::thread([this, et, i] { EngineLoop(et, i); });
   }
   accept_thread_ = std::thread([this] { AcceptLoop(); });
@@ -128,7 +91,7 @@ void Server::Stop() {
   Finish("");
   if (main_thread_.joinable()) main_thread_.join();
   control_.Close();
-  listener_.Close();
+  listener_->Close();
   if (accept_thread_.joinable()) accept_thread_.join();
   std::vector<std::shared_ptr<Conn>> conns;
   std::vector<std::thread> threads;
@@ -139,8 +102,6 @@ void Server::Stop() {
   }
   for (auto& c : conns) c->Close();
   for (auto& t : threads) t.join();
-  for (auto& c : conns)
-    if (c->writer.joinable()) c->writer.join();
   for (auto& e : engines_) {
     {
       std::lock_guard<std::mutex> lk(e->mu);
@@ -154,11 +115,12 @@ void Server::Stop() {
 void Server::AcceptLoop() {
   SetupEngineThread("bps-srv-accept", cpus_);
   for (;;) {
-    std::string ip;
-    int fd = listener_.Accept(&ip);
-    if (fd < 0) return;
+    std::unique_ptr<Link> link = listener_->Accept();
+    if (!link) return;
+    link->set_peer("worker at " + link->peer_host());
     auto conn = std::make_shared<Conn>();
-    conn->link = std::make_unique<Connection>(fd, "worker at " + ip);
+    conn->link = std::move(link);
+    conn->out = std::make_unique<Outbox>(conn->link.get());
     std::lock_guard<std::mutex> lk(mu_);
     if (stopping_) return;
     conns_.push_back(conn);
@@ -168,7 +130,7 @@ void Server::AcceptLoop() {
 
 void Server::ServeConnection(std::shared_ptr<Conn> conn) {
   SetupEngineThread("bps-srv-recv", cpus_);
-  Connection& link = *conn->link;
+  Link& link = *conn->link;
   try {
     link.SetRecvTimeout(10.0);
     FrameHeader h;
@@ -183,7 +145,6 @@ void Server::ServeConnection(std::shared_ptr<Conn> conn) {
       return conn->Close();
     }
     link.SetRecvTimeout(0);
-    conn->writer = std::thread([conn] { conn->WriterLoop(); });
     while (link.RecvFrame(&h, &meta, kMaxBodyLen)) {
       if (h.type == static_cast<uint16_t>(MsgType::kProbe)) {
         // Link measurement at rendezvous: the body is thrown away, the reply says it came.
@@ -194,28 +155,14 @@ void Server::ServeConnection(std::shared_ptr<Conn> conn) {
         FrameHeader reply;
         reply.type = static_cast<uint16_t>(MsgType::kProbeReply);
         reply.key = h.key;
-        conn->Enqueue(OutFrame{reply, "", nullptr});
+        conn->Reply(reply);
         continue;
       }
-      if (h.type != static_cast<uint16_t>(MsgType::kPush))
-        throw FrameError("unexpected frame type " + std::to_string(h.type) + " on a data connection");
-      const int dtype = h.flags >> 8;
-      const uint64_t len = static_cast<uint64_t>(h.arg);
-      const bool empty = h.flags & kFlagEmpty;
-      if (!ValidDType(dtype)) throw FrameError("push with unknown dtype " + std::to_string(dtype));
-      if (h.arg < 0 || len > kMaxBodyLen || len % DTypeSize(static_cast<DType>(dtype)) != 0 ||
-          (empty ? h.body_len != 0 : h.body_len != len))
-        throw FrameError("push of key " + std::to_string(h.key) + " has inconsistent lengths (arg=" +
-                         std::to_string(h.arg) + ", body=" + std::to_string(h.body_len) + ")");
-      int expected = num_workers_;
-      if (h.meta_len == 4) expected = static_cast<int>(MetaReader(meta).U32());
-      if (expected < 1 || expected > num_workers_)
-        throw FrameError("push expects " + std::to_string(expected) + " contributions; the job has " +
-                         std::to_string(num_workers_) + " workers");
-      Task t{conn, h, nullptr, expected};
-      if (!empty) {
-        t.body = pool_->Acquire(len);
-        link.RecvBody(t.body->data(), len);
+      Task t{conn, ParsePush(h, meta)};
+      t.push.sender = static_cast<int>(conn->worker_rank);
+      if (h.body_len) {
+        t.push.body = pool_->Acquire(h.body_len);
+        link.RecvBody(t.push.body->data(), h.body_len);
       }
       EngineThread* et = engines_[h.key % engines_.size()].get();
       std::lock_guard<std::mutex> lk(et->mu);
@@ -245,71 +192,85 @@ void Server::EngineLoop(EngineThread* et, int index) {
   }
 }
 
+Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
+  // Nothing here is trusted: the header came off the network.
+  if (h.type != static_cast<uint16_t>(MsgType::kPush))
+    throw FrameError("unexpected frame type " + std::to_string(h.type) + " on a data connection");
+  Push p;
+  p.key = h.key;
+  p.version = h.version;
+  const int dtype = h.flags >> 8;
+  const bool empty = h.flags & kFlagEmpty;
+  if (!ValidDType(dtype)) throw FrameError("push with unknown dtype " + std::to_string(dtype));
+  p.dtype = static_cast<DType>(dtype);
+  p.len = static_cast<uint64_t>(h.arg);
+  p.broadcast = h.flags & kFlagBroadcast;
+  if (h.arg < 0 || p.len > kMaxBodyLen || p.len % DTypeSize(p.dtype) != 0 ||
+      (empty ? h.body_len != 0 : h.body_len != p.len))
+    throw FrameError("push of key " + std::to_string(h.key) + " has inconsistent lengths (arg=" +
+                     std::to_string(h.arg) + ", body=" + std::to_string(h.body_len) + ")");
+  p.expected = num_workers_;
+  if (h.meta_len == 4) p.expected = static_cast<int>(MetaReader(meta).U32());
+  if (p.expected < 1 || p.expected > num_workers_)
+    throw FrameError("push expects " + std::to_string(p.expected) + " contributions; the job has " +
+                     std::to_string(num_workers_) + " workers");
+  return p;
+}
+
 void Server::Process(EngineThread* et, Task& t) {
-  const FrameHeader& h = t.h;
-  const DType dtype = static_cast<DType>(h.flags >> 8);
-  const uint64_t len = static_cast<uint64_t>(h.arg);
-  const size_t n = len / DTypeSize(dtype);
-  const bool broadcast = h.flags & kFlagBroadcast;
+  const Push& p = t.push;
   auto reject = [&](const std::string& msg) {
     FrameHeader e;
     e.type = static_cast<uint16_t>(MsgType::kError);
-    e.key = h.key;
-    e.version = h.version;
-    t.from->Enqueue(OutFrame{e, MetaWriter().Str(msg).bytes(), nullptr});
+    e.key = p.key;
+    e.version = p.version;
+    t.from->Reply(e, MetaWriter().Str(msg).bytes());
   };
-  Round& r = et->rounds[{h.key, h.version}];
-  if (r.pushes == 0) {
-    r.dtype = dtype;
-    r.len = len;
-    r.expected = t.expected;
-  } else if (r.dtype != dtype || r.len != len || r.expected != t.expected) {
-    return reject("partition " + std::to_string(h.key) + " round " + std::to_string(h.version) +
-                  ": this push has dtype " + DTypeName(dtype) + " and " + std::to_string(len) +
+  auto it = et->rounds.find({p.key, p.version});
+  if (it == et->rounds.end()) {
+    it = et->rounds.emplace(std::make_pair(p.key, p.version), PendingRound{}).first;
+    Round& r = it->second.round;
+    r.key = p.key;
+    r.version = p.version;
+    r.dtype = p.dtype;
+    r.len = p.len;
+    r.expected = p.expected;
+    r.broadcast = p.broadcast;
+  }
+  PendingRound& pr = it->second;
+  Round& r = pr.round;
+  if (r.dtype != p.dtype || r.len != p.len || r.expected != p.expected || r.broadcast != p.broadcast)
+    return reject("partition " + std::to_string(p.key) + " round " + std::to_string(p.version) +
+                  ": this push has dtype " + DTypeName(p.dtype) + " and " + std::to_string(p.len) +
                   " bytes, other workers pushed " + DTypeName(r.dtype) + " and " + std::to_string(r.len));
-  }
-  if (std::find(r.waiters.begin(), r.waiters.end(), t.from) != r.waiters.end())
-    return reject("duplicate push of partition " + std::to_string(h.key) + " round " +
-                  std::to_string(h.version) + " from the same worker");
-  r.waiters.push_back(t.from);
+  if (std::find(pr.waiters.begin(), pr.waiters.end(), t.from) != pr.waiters.end())
+    return reject("duplicate push of partition " + std::to_string(p.key) + " round " +
+                  std::to_string(p.version) + " from the same worker");
+  pr.waiters.push_back(t.from);
+  r.senders.push_back(p.sender);
   ++r.pushes;
-  if (broadcast) {
-    if (t.body) r.root_data = t.body;
-  } else if (t.body) {
-    if (AccumulatesInFloat(dtype)) {
-      if (!r.acc) {
-        r.acc = pool_->Acquire(n * sizeof(float));
-        Widen(dtype, reinterpret_cast<float*>(r.acc->data()), t.body->data(), n);
-      } else {
-        Accumulate(dtype, reinterpret_cast<float*>(r.acc->data()), t.body->data(), n);
-      }
-    } else if (!r.acc) {
-      r.acc = t.body;  // the first push becomes the accumulator: no copy
-    } else {
-      SumInto(dtype, r.acc->data(), t.body->data(), n);
-    }
+  std::string error = et->handler->OnPush(r, p);
+  if (!error.empty()) {
+    pr.waiters.pop_back();
+    r.senders.pop_back();
+    --r.pushes;
+    if (r.pushes == 0) et->rounds.erase(it);
+    return reject(error);
   }
-  if (r.pushes < r.expected) return;
+  if (!et->handler->Complete(r)) return;
 
-  std::shared_ptr<Buffer> result;
-  std::string error;
-  if (broadcast) {
-    result = r.root_data;
-    if (!result && len) error = "broadcast round without a root payload";
-  } else if (AccumulatesInFloat(dtype) && r.acc) {
-    result = pool_->Acquire(len);
-    Narrow(dtype, result->data(), reinterpret_cast<float*>(r.acc->data()), n);
-  } else {
-    result = r.acc;
-  }
+  error = et->handler->OnRoundComplete(r);
   FrameHeader reply;
   reply.type = static_cast<uint16_t>(error.empty() ? MsgType::kPullReply : MsgType::kError);
-  reply.key = h.key;
-  reply.version = h.version;
-  reply.body_len = error.empty() && result ? len : 0;
-  std::string meta = error.empty() ? "" : MetaWriter().Str(error).bytes();
-  for (auto& w : r.waiters) w->Enqueue(OutFrame{reply, meta, error.empty() ? result : nullptr});
-  et->rounds.erase({h.key, h.version});
+  reply.key = p.key;
+  reply.version = p.version;
+  const std::string meta = error.empty() ? "" : MetaWriter().Str(error).bytes();
+  for (size_t i = 0; i < pr.waiters.size(); ++i) {
+    std::shared_ptr<Buffer> body = error.empty() ? et->handler->OnPull(r, r.senders[i]) : nullptr;
+    reply.body_len = body ? r.len : 0;
+    pr.waiters[i]->Reply(reply, meta, std::move(body));
+  }
+  et->rounds.erase(it);
 }
 
 }  // namespace bps

@@ -1,6 +1,7 @@
-// A summation server: holds one merge buffer per (partition key, round), adds up the
-// workers' pushes with SIMD kernels on several engine threads, and answers every
-// worker with the sum once the round is complete.
+// A parameter server's I/O: accepts workers' data links, validates each push, groups
+// pushes into rounds by (partition key, version) on several engine threads and sends
+// the answers. What a round does with its pushes is the ServerHandler's (see
+// server_handler.h); the default sums them.
 //
 // Usage (what `python -m bpstrain.launch` does with DMLC_ROLE=server):
 //   bps::ServerOptions o; o.scheduler_host = "10.0.0.1"; o.scheduler_port = 9000;
@@ -23,7 +24,8 @@
 #include "buffer_pool.h"
 #include "common.h"
 #include "control.h"
-#include "net.h"
+#include "server_handler.h"
+#include "transport.h"
 
 namespace bps {
 
@@ -38,13 +40,15 @@ struct ServerOptions {
   std::string numa = "auto";
   double rendezvous_timeout = 120.0;
   std::string secret;
+  std::string transport = "tcp";  // "tcp" or "inproc" (Transport::Get)
+  HandlerFactory handler;         // per-key logic; empty = SumHandler
 };
 
 class Server {
  public:
   explicit Server(const ServerOptions& opts);
   ~Server();
-  int port() const { return listener_.port(); }
+  int port() const { return listener_->port(); }
   void Start();
   bool Wait(double seconds);
   void Stop();
@@ -52,25 +56,19 @@ class Server {
  private:
   struct Conn;
   struct Task {
-    std::shared_ptr<Conn> from;
-    FrameHeader h;
-    std::shared_ptr<Buffer> body;  // null for an empty (broadcast non-root) push
-    int expected = 0;              // contributions that complete this round
+    std::shared_ptr<Conn> from;  // null stops the engine thread
+    Push push;
   };
-  struct Round {
-    DType dtype;
-    uint64_t len = 0;
-    int pushes = 0;
-    int expected = 0;  // pushes that complete the round
-    std::shared_ptr<Buffer> acc;  // native dtypes: the sum itself; fp16/bf16: fp32 sums
-    std::shared_ptr<Buffer> root_data;  // broadcast: the root's payload
-    std::vector<std::shared_ptr<Conn>> waiters;
+  struct PendingRound {
+    Round round;
+    std::vector<std::shared_ptr<Conn>> waiters;  // in push order
   };
   struct EngineThread {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<Task> queue;
-    std::map<std::pair<uint64_t, uint64_t>, Round> rounds;  // (key, version) -> state
+    std::unique_ptr<ServerHandler> handler;
+    std::map<std::pair<uint64_t, uint64_t>, PendingRound> rounds;  // (key, version) -> state
     std::thread thread;
   };
 
@@ -79,11 +77,13 @@ class Server {
   void ServeConnection(std::shared_ptr<Conn> conn);
   void EngineLoop(EngineThread* et, int index);
   void Process(EngineThread* et, Task& t);
+  Push ParsePush(const FrameHeader& h, const std::string& meta) const;
   void OnControl(const FrameHeader& h, const std::string& meta);
   void Finish(const std::string& failure);
 
   ServerOptions opts_;
-  Listener listener_;
+  std::shared_ptr<Transport> transport_;
+  std::unique_ptr<Listener> listener_;
   std::shared_ptr<BufferPool> pool_ = BufferPool::Create();
   ControlClient control_;
   std::vector<int> cpus_;

@@ -7,14 +7,14 @@
 namespace bps {
 
 namespace {
-void ProbeAll(const std::vector<Connection*>& links, uint64_t bytes, const std::vector<char>& zeros) {
-  for (Connection* c : links) {
+void ProbeAll(const std::vector<Link*>& links, uint64_t bytes, const std::vector<char>& zeros) {
+  for (Link* c : links) {
     FrameHeader h;
     h.type = static_cast<uint16_t>(MsgType::kProbe);
     h.arg = static_cast<int64_t>(bytes);
     c->Send(h, "", bytes ? zeros.data() : nullptr, bytes);
   }
-  for (Connection* c : links) {
+  for (Link* c : links) {
     FrameHeader r;
     std::string meta;
     if (!c->RecvFrame(&r, &meta, 0))
@@ -26,7 +26,7 @@ void ProbeAll(const std::vector<Connection*>& links, uint64_t bytes, const std::
 }
 }  // namespace
 
-LinkEstimate ProbeLinks(const std::vector<Connection*>& links, double min_seconds, uint64_t max_bytes) {
+LinkEstimate ProbeLinks(const std::vector<Link*>& links, double min_seconds, uint64_t max_bytes) {
   LinkEstimate est;
   if (links.empty()) return est;
   const uint64_t k = links.size();

@@ -47,7 +47,7 @@ std::string Describe(DType d, const std::vector<int64_t>& s) {
 }
 }  // namespace
 
-Worker::Worker(const WorkerOptions& opts) : opts_(opts) {
+Worker::Worker(const WorkerOptions& opts) : opts_(opts), transport_(Transport::Get(opts.transport)) {
   if (opts.partition_bytes < 0)
     throw Error(Error::kConfig, "partition_bytes must be positive, or 0 to let the engine choose. "
                                 "Received: partition_bytes=" + std::to_string(opts.partition_bytes));
@@ -78,7 +78,7 @@ void Worker::Rendezvous() {
     me.advertise_host = opts_.advertise_host;
     me.host_id = opts_.host_id;
     Welcome w = control_.Connect(
-        opts_.scheduler_host, opts_.scheduler_port, me, opts_.rendezvous_timeout,
+        *transport_, transport_->Endpoint(opts_.scheduler_host, opts_.scheduler_port), me, opts_.rendezvous_timeout,
         [this](const FrameHeader& h, const std::string& m) { OnControl(h, m); },
         [this](const std::string& why) {
           if (!stopping_) Fail(Error::kPeer, why);
@@ -94,10 +94,8 @@ void Worker::Rendezvous() {
       for (int c = 0; c < opts_.connections_per_server; ++c) {
         auto dc = std::make_unique<DataConn>();
         dc->server = s;
-        const auto& [host, port] = servers_[s];
-        dc->link = std::make_unique<Connection>(
-            ConnectWithRetry(host, port, opts_.rendezvous_timeout, &stopping_),
-            "server " + std::to_string(s) + " at " + host + ":" + std::to_string(port));
+        dc->link = transport_->Connect(servers_[s], opts_.rendezvous_timeout, &stopping_);
+        dc->link->set_peer("server " + std::to_string(s) + " at " + servers_[s]);
         // A small kernel send buffer keeps the credit meaningful: otherwise the kernel
         // takes megabytes per socket at once and the partitions' global order and the
         // rank rotation only decide what waits in kernel buffers (emulated 4x4 hosts at
@@ -139,12 +137,12 @@ void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
   const bool auto_part = opts_.partition_bytes == 0;
   const bool auto_sndbuf = opts_.socket_send_buffer < 0;
   if (auto_part || opts_.credit_bytes == 0 || auto_sndbuf) {
-    std::vector<Connection*> links;
+    std::vector<Link*> links;
     for (const auto& dc : conns)
       if (links.size() < static_cast<size_t>(dc->server + 1)) links.push_back(dc->link.get());
-    for (Connection* c : links) c->SetRecvTimeout(opts_.rendezvous_timeout);
+    for (Link* c : links) c->SetRecvTimeout(opts_.rendezvous_timeout);
     link_ = ProbeLinks(links, kProbeSeconds, kProbeMaxBytes);
-    for (Connection* c : links) c->SetRecvTimeout(0);
+    for (Link* c : links) c->SetRecvTimeout(0);
   }
   const int64_t part = auto_part ? AutoPartitionBytes(link_.bytes_per_s, INT64_MAX / 2,
                                                       static_cast<int>(servers_.size()), 1)
@@ -665,29 +663,21 @@ WorkerStats Worker::stats() {
 void Worker::Shutdown() {
   if (stopping_.exchange(true)) return;
   if (group_) group_->Stop();
-  bool said_goodbye = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (ready_ && !failed_) {
-      try {
-        control_.Send(MsgType::kGoodbye);
-        said_goodbye = true;
-      } catch (const std::exception&) {
-      }
-    }
+    if (ready_ && !failed_) control_.Send(MsgType::kGoodbye);  // queued: Close() flushes it
     for (auto& [id, h] : handles_)
       if (!h->done) FailHandleLocked(h, Error::kShutdown, "the operation was still running when shutdown() was called");
     send_cv_.notify_all();
     cv_.notify_all();
   }
-  (void)said_goodbye;
   if (rendezvous_thread_.joinable()) rendezvous_thread_.join();
   for (auto& c : conns_) c->link->Shutdown();
   for (auto& c : conns_) {
     if (c->sender.joinable()) c->sender.join();
     if (c->receiver.joinable()) c->receiver.join();
   }
-  control_.Close();
+  control_.Close(/*flush_s=*/2.0);
 }
 
 }  // namespace bps

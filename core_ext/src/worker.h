@@ -32,7 +32,7 @@
 
 #include "common.h"
 #include "control.h"
-#include "net.h"
+#include "transport.h"
 #include "tuning.h"
 
 namespace bps {
@@ -63,6 +63,7 @@ struct WorkerOptions {
   std::string host_id;         // explicit machine identity (BPSTRAIN_HOST_ID); "" = address
   // SO_SNDBUF of data connections; -1 = auto (AutoSocketSendBuffer), 0 = kernel autotuning.
   int socket_send_buffer = -1;
+  std::string transport = "tcp";  // "tcp" or "inproc" (Transport::Get)
 };
 
 enum class Op : int { kSum = 0, kAverage = 1, kBroadcast = 2 };
@@ -165,7 +166,7 @@ class Worker {
     }
   };
   struct DataConn {
-    std::unique_ptr<Connection> link;
+    std::unique_ptr<Link> link;
     int server;
     std::thread sender, receiver;
   };
@@ -194,7 +195,8 @@ class Worker {
   ControlClient control_;
   std::thread rendezvous_thread_;
   int rank_ = -1, size_ = 0;
-  std::vector<std::pair<std::string, int>> servers_;
+  std::shared_ptr<Transport> transport_;
+  std::vector<std::string> servers_;  // endpoints by server id
   std::vector<std::unique_ptr<DataConn>> conns_;
   int64_t credit_ = 0;
   LinkEstimate link_;

@@ -1,5 +1,7 @@
 """In-process harness: a scheduler, servers and N workers of the real engine, all in
-this process (over loopback TCP), so engine unit tests run in milliseconds.
+this process, over loopback TCP or the in-process transport (no sockets), so engine
+unit tests run in milliseconds. Tests that take the ``transport`` fixture
+(tests/engine/conftest.py) run once per transport, the way gloo's tests do.
 
     with InProcessCluster(workers=2, servers=1) as c:
         results = c.run_all(lambda rank, w: ...)   # one thread per worker
@@ -15,25 +17,33 @@ import numpy as np
 
 from bpstrain import _core
 
+# The transport of clusters that do not name one; the ``transport`` fixture sets it.
+DEFAULT_TRANSPORT = "tcp"
+
 
 class InProcessCluster:
     """Scheduler + servers + workers in this process; torn down on exit."""
 
     def __init__(self, workers=2, servers=1, secret="", local_size=1, worker_hosts=None,
-                 server_hosts=None, mixed_mode=True, assign_ranks=False, **worker_kwargs):
+                 server_hosts=None, mixed_mode=True, assign_ranks=False, transport=None,
+                 extra_workers=0, before_ready=None, peer_timeout=10, **worker_kwargs):
         """``workers`` processes on ``workers // local_size`` hosts (BytePS's
         DMLC_NUM_WORKER); ``worker_hosts`` / ``server_hosts`` name each node's host
         (BPSTRAIN_HOST_ID) for mixed-mode placement, default all unnamed; with
-        ``assign_ranks`` the scheduler numbers workers by arrival (no DMLC_WORKER_ID)."""
-        self.scheduler = _core.Scheduler(workers // local_size, servers, host="127.0.0.1", port=0,
-                                         rendezvous_timeout=20, peer_timeout=10, secret=secret,
-                                         mixed_mode=mixed_mode)
+        ``assign_ranks`` the scheduler numbers workers by arrival (no DMLC_WORKER_ID).
+        ``extra_workers`` more workers are expected that the test plays itself
+        (``before_ready(cluster)`` connects them, through ``connect_raw``)."""
+        self.transport = transport = transport or DEFAULT_TRANSPORT
+        self.scheduler = _core.Scheduler((workers + extra_workers) // local_size, servers, host="127.0.0.1",
+                                         port=0, rendezvous_timeout=20, peer_timeout=peer_timeout,
+                                         secret=secret, mixed_mode=mixed_mode, transport=transport)
         self.scheduler.start()
         port = self.scheduler_port = self.scheduler.port
         server_hosts = server_hosts or [""] * servers
         self.servers = [
             _core.Server("127.0.0.1", port, listen_host="127.0.0.1", engine_threads=2, numa="off",
-                         rendezvous_timeout=20, secret=secret, server_id=j, host_id=server_hosts[j])
+                         rendezvous_timeout=20, secret=secret, server_id=j, host_id=server_hosts[j],
+                         transport=transport)
             for j in range(servers)
         ]
         for s in self.servers:
@@ -43,11 +53,14 @@ class InProcessCluster:
             _core.Worker("127.0.0.1", port, rank_hint=-1 if assign_ranks else i,
                          rendezvous_timeout=20, secret=secret,
                          local_rank=i % local_size, local_size=local_size,
-                         host_id=worker_hosts[i] if worker_hosts else "", **worker_kwargs)
+                         host_id=worker_hosts[i] if worker_hosts else "", transport=transport,
+                         **worker_kwargs)
             for i in range(workers)
         ]
         for w in self.workers:
             w.start()
+        if before_ready:
+            before_ready(self)
         for w in self.workers:
             while not w.wait_ready(0.1):
                 pass
@@ -57,6 +70,10 @@ class InProcessCluster:
         with ThreadPoolExecutor(len(self.workers)) as pool:
             futures = [pool.submit(fn, w.rank, w) for w in self.workers]
             return [f.result(timeout=60) for f in futures]
+
+    def connect_raw(self, port=None):
+        """A raw frame link to the scheduler (or to ``port``) over this cluster's transport."""
+        return _core.connect_raw(self.transport, "127.0.0.1", port or self.scheduler_port)
 
     def close(self):
         for w in self.workers:

@@ -15,7 +15,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64"]
 OP_SUM, OP_AVG, OP_BCAST = 0, 1, 2
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport")]
 
 
 def np_dtype(name):

@@ -9,7 +9,7 @@ import pytest
 from tests.engine.harness import InProcessCluster, push_pull
 from tests.engine.test_engine import DTYPES, contribution, np_dtype
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport")]
 
 
 @pytest.mark.parametrize("workers,local_size,servers", [(4, 2, 2), (2, 2, 1), (3, 3, 1)])

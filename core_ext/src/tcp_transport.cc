@@ -1,9 +1,8 @@
-#include "net.h"
+#include "tcp_transport.h"
 
 #include <arpa/inet.h>
 #include <cerrno>
 #include <cstring>
-#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -41,7 +40,8 @@ bool Resolve(const std::string& host, int port, sockaddr_in* out) {
 
 }  // namespace
 
-Listener::Listener(const std::string& host, int port) {
+TcpListener::TcpListener(const std::string& host, int port) {
+  host_ = host == "0.0.0.0" ? "" : host;
   sockaddr_in addr;
   if (!Resolve(host, port, &addr))
     throw Error(Error::kConfig, "cannot resolve listen address. Received: host=" + host);
@@ -62,9 +62,9 @@ Listener::Listener(const std::string& host, int port) {
   fd_ = fd;
 }
 
-Listener::~Listener() { Close(); }
+TcpListener::~TcpListener() { Close(); }
 
-void Listener::Close() {
+void TcpListener::Close() {
   int fd = fd_.exchange(-1);
   if (fd >= 0) {
     shutdown(fd, SHUT_RDWR);
@@ -72,10 +72,10 @@ void Listener::Close() {
   }
 }
 
-int Listener::Accept(std::string* peer_ip) {
+std::unique_ptr<Link> TcpListener::Accept() {
   for (;;) {
     int lfd = fd_.load();
-    if (lfd < 0) return -1;
+    if (lfd < 0) return nullptr;
     sockaddr_in addr;
     socklen_t len = sizeof addr;
     int fd = accept4(lfd, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC);
@@ -83,21 +83,40 @@ int Listener::Accept(std::string* peer_ip) {
       TuneSocket(fd);
       char buf[INET_ADDRSTRLEN] = {0};
       inet_ntop(AF_INET, &addr.sin_addr, buf, sizeof buf);
-      if (peer_ip) *peer_ip = buf;
-      return fd;
+      return std::make_unique<TcpLink>(fd, buf, buf);
     }
     if (errno == EINTR || errno == ECONNABORTED) continue;
-    if (fd_.load() < 0) return -1;
+    if (fd_.load() < 0) return nullptr;
     if (errno == EMFILE || errno == ENFILE) {  // out of fds: back off instead of spinning
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       continue;
     }
-    return -1;
+    return nullptr;
   }
 }
 
-int ConnectWithRetry(const std::string& host, int port, double deadline_s,
-                     const std::atomic<bool>* cancel) {
+void SplitHostPort(const std::string& endpoint, std::string* host, int* port) {
+  const size_t colon = endpoint.rfind(':');
+  char* end = nullptr;
+  long p = colon == std::string::npos ? -1 : std::strtol(endpoint.c_str() + colon + 1, &end, 10);
+  if (colon == std::string::npos || !end || *end || p < 0 || p > 65535)
+    throw Error(Error::kConfig, "a TCP endpoint is host:port. Received: " + endpoint);
+  *host = endpoint.substr(0, colon);
+  *port = static_cast<int>(p);
+}
+
+std::string TcpTransport::CompleteEndpoint(const std::string& endpoint, const std::string& node_host) const {
+  std::string host;
+  int port = 0;
+  SplitHostPort(endpoint, &host, &port);
+  return node_host + ":" + std::to_string(port);
+}
+
+std::unique_ptr<Link> TcpTransport::Connect(const std::string& endpoint, double deadline_s,
+                                            const std::atomic<bool>* cancel) {
+  std::string host;
+  int port = 0;
+  SplitHostPort(endpoint, &host, &port);
   sockaddr_in addr;
   if (!Resolve(host, port, &addr))
     throw Error(Error::kConfig, "cannot resolve address. Received: host=" + host);
@@ -108,7 +127,7 @@ int ConnectWithRetry(const std::string& host, int port, double deadline_s,
     if (fd < 0) throw Error(Error::kGeneric, std::string("socket(): ") + strerror(errno));
     if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
       TuneSocket(fd);
-      return fd;
+      return std::make_unique<TcpLink>(fd, endpoint, host);
     }
     last_errno = errno;
     close(fd);
@@ -121,29 +140,32 @@ int ConnectWithRetry(const std::string& host, int port, double deadline_s,
   }
 }
 
-Connection::Connection(int fd, std::string peer) : fd_(fd), peer_(std::move(peer)) {}
+TcpLink::TcpLink(int fd, std::string peer, std::string peer_host) : fd_(fd) {
+  peer_ = std::move(peer);
+  peer_host_ = std::move(peer_host);
+}
 
-Connection::~Connection() {
+TcpLink::~TcpLink() {
   Shutdown();
   close(fd_);
 }
 
-void Connection::Shutdown() {
+void TcpLink::Shutdown() {
   if (!down_.exchange(true)) shutdown(fd_, SHUT_RDWR);
 }
 
-void Connection::SetRecvTimeout(double seconds) {
+void TcpLink::SetRecvTimeout(double seconds) {
   timeval tv{};
   tv.tv_sec = static_cast<time_t>(seconds);
   tv.tv_usec = static_cast<suseconds_t>((seconds - tv.tv_sec) * 1e6);
   setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
 }
 
-void Connection::SetSendBuffer(int bytes) {
+void TcpLink::SetSendBuffer(int bytes) {
   setsockopt(fd_, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);
 }
 
-void Connection::Send(FrameHeader h, const std::string& meta, const void* body,
+void TcpLink::Send(FrameHeader h, const std::string& meta, const void* body,
                       uint64_t body_len) {
   h.magic = kFrameMagic;
   h.meta_len = static_cast<uint32_t>(meta.size());
@@ -179,7 +201,7 @@ void Connection::Send(FrameHeader h, const std::string& meta, const void* body,
   }
 }
 
-bool Connection::RecvAll(void* dst, uint64_t n, bool eof_ok) {
+bool TcpLink::RecvAll(void* dst, uint64_t n, bool eof_ok) {
   char* p = static_cast<char*>(dst);
   uint64_t got = 0;
   while (got < n) {
@@ -199,7 +221,7 @@ bool Connection::RecvAll(void* dst, uint64_t n, bool eof_ok) {
   return true;
 }
 
-bool Connection::RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body) {
+bool TcpLink::RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body) {
   if (!RecvAll(h, sizeof *h, /*eof_ok=*/true)) return false;
   CheckHeader(*h, max_body);
   meta->resize(h->meta_len);
@@ -207,30 +229,15 @@ bool Connection::RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body)
   return true;
 }
 
-void Connection::RecvBody(void* dst, uint64_t n) { RecvAll(dst, n, false); }
+void TcpLink::RecvBody(void* dst, uint64_t n) { RecvAll(dst, n, false); }
 
-void Connection::DiscardBody(uint64_t n) {
+void TcpLink::DiscardBody(uint64_t n) {
   char buf[65536];
   while (n) {
     uint64_t k = std::min<uint64_t>(n, sizeof buf);
     RecvAll(buf, k, false);
     n -= k;
   }
-}
-
-std::string InterfaceAddress(const std::string& ifname) {
-  ifaddrs* list = nullptr;
-  if (getifaddrs(&list) != 0) return "";
-  std::string out;
-  for (ifaddrs* a = list; a; a = a->ifa_next) {
-    if (!a->ifa_addr || a->ifa_addr->sa_family != AF_INET || ifname != a->ifa_name) continue;
-    char buf[INET_ADDRSTRLEN];
-    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, buf, sizeof buf);
-    out = buf;
-    break;
-  }
-  freeifaddrs(list);
-  return out;
 }
 
 }  // namespace bps

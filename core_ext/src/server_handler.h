@@ -1,0 +1,88 @@
+// The server's per-key logic, separate from its I/O (ps-lite's request handle): the
+// server receives and validates pushes, groups them into rounds by (key, version) and
+// sends the answers; a ServerHandler decides what a push does to a round, when the
+// round is complete and what each worker gets back. Today's behaviour, "sum one round,
+// answer everyone, forget it", is SumHandler; keeping weights and applying an optimizer
+// (asynchronous training), decompress-sum-recompress, merging sparse rows or accepting
+// k of n pushes are other handlers that plug in through ServerOptions::handler without
+// touching the I/O code.
+//
+// Adding one:
+//   class MaxHandler : public bps::ServerHandler {
+//     std::string OnPush(Round& r, const Push& p) override { ...element-wise max into r.acc... }
+//     std::string OnRoundComplete(Round& r) override { r.result = r.acc; return ""; }
+//   };
+//   opts.handler = [](std::shared_ptr<BufferPool> pool) { return std::make_unique<MaxHandler>(); };
+//
+// Threading: each engine thread has its own handler instance and owns the rounds of its
+// keys (key % engine_threads), so a handler is never called from two threads at once.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "buffer_pool.h"
+#include "common.h"
+
+namespace bps {
+
+// One validated push: its dtype, length and contribution count already agree with the
+// round's, and its sender has not pushed into this round before.
+struct Push {
+  uint64_t key = 0, version = 0;
+  DType dtype = DType::kFloat32;
+  uint64_t len = 0;        // bytes of the partition
+  bool broadcast = false;  // the root's data is the result
+  int expected = 0;        // contributions that complete the round (participating ranks)
+  int sender = -1;         // the worker's rank
+  std::shared_ptr<Buffer> body;  // null for an empty push (a broadcast's non-root)
+};
+
+// The state of one (key, version) round; the server creates it at the first push and
+// drops it once every waiter has its answer.
+struct Round {
+  uint64_t key = 0, version = 0;
+  DType dtype = DType::kFloat32;
+  uint64_t len = 0;
+  int expected = 0;
+  bool broadcast = false;
+  int pushes = 0;
+  std::vector<int> senders;        // ranks that pushed, in arrival order
+  std::shared_ptr<Buffer> acc;     // the handler's accumulator
+  std::shared_ptr<Buffer> result;  // the answer, set by OnRoundComplete
+  std::shared_ptr<void> extra;     // anything else a handler keeps per round
+};
+
+class ServerHandler {
+ public:
+  virtual ~ServerHandler() = default;
+  // `push` joins `round` (round.pushes and senders already count it). Returns "" or an
+  // error that goes back to this sender only.
+  virtual std::string OnPush(Round& round, const Push& push) = 0;
+  // Whether the round can be answered now. Default: every expected push is in.
+  virtual bool Complete(const Round& round) const { return round.pushes >= round.expected; }
+  // Sets round.result (round.len bytes, or null for an empty round). Returns "" or an
+  // error that goes to every worker waiting on the round.
+  virtual std::string OnRoundComplete(Round& round) = 0;
+  // What `worker` receives. Default: round.result.
+  virtual std::shared_ptr<Buffer> OnPull(Round& round, int worker) { return round.result; }
+};
+
+// Makes the handler of one engine thread.
+using HandlerFactory = std::function<std::unique_ptr<ServerHandler>(std::shared_ptr<BufferPool>)>;
+
+// Sums the pushes of a round with the SIMD kernels (fp16/bf16 accumulate in fp32); a
+// broadcast round answers with the root's data.
+class SumHandler : public ServerHandler {
+ public:
+  explicit SumHandler(std::shared_ptr<BufferPool> pool) : pool_(std::move(pool)) {}
+  std::string OnPush(Round& round, const Push& push) override;
+  std::string OnRoundComplete(Round& round) override;
+
+ private:
+  std::shared_ptr<BufferPool> pool_;
+};
+
+}  // namespace bps

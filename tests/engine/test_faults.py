@@ -1,0 +1,123 @@
+"""Deterministic fault injection: the test plays a broken or hostile peer through a raw
+frame link (``_core.connect_raw``), over TCP and over the in-process transport."""
+
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from bpstrain import _core
+from bpstrain.errors import PeerError
+from tests.engine.harness import InProcessCluster, push_pull
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport")]
+
+HELLO, WELCOME, DECLARE, HEARTBEAT, PEER_DEAD, PUSH, SERVER_HELLO = 1, 2, 3, 7, 10, 12, 14
+
+
+def s(text):
+    b = text.encode()
+    return struct.pack("<I", len(b)) + b
+
+
+def worker_hello(rank):
+    # role, rank hint, listen endpoint, advertise host, secret token, pid, hostname,
+    # local size, host id
+    return (struct.pack("<Iq", 2, rank) + s("") + s("") + s("") + struct.pack("<q", 4242) + s("fake")
+            + struct.pack("<I", 1) + s(""))
+
+
+class FakeWorker:
+    """Joins the job as its last worker, then does only what the test says."""
+
+    def __init__(self, cluster, rank):
+        self.link = cluster.connect_raw()
+        self.link.send(HELLO, worker_hello(rank))
+
+    def welcome(self):
+        frame = self.link.recv(10)
+        assert frame is not None and frame[0] == WELCOME, frame
+        return frame
+
+
+def run_until_failure(cluster):
+    """Every real worker's next op fails with PeerError; returns the messages."""
+    def job(rank, w):
+        with pytest.raises(PeerError) as info:
+            push_pull(w, "x", np.ones(4, np.float32))
+        return str(info.value)
+
+    return cluster.run_all(job)
+
+
+def close_failed(cluster):
+    with pytest.raises(PeerError):
+        cluster.close()
+
+
+def test_a_worker_that_dies_fails_the_others_with_its_name():
+    fakes = []
+    c = InProcessCluster(2, 1, extra_workers=1, before_ready=lambda c: fakes.append(FakeWorker(c, 2)))
+    fakes[0].welcome()
+    fakes[0].link.shutdown()
+    messages = run_until_failure(c)
+    assert all("worker 2" in m and "fake" in m for m in messages), messages
+    close_failed(c)
+
+
+def test_a_worker_that_hangs_is_declared_dead_after_the_peer_timeout():
+    fakes = []
+    t0 = time.monotonic()
+    c = InProcessCluster(2, 1, extra_workers=1, peer_timeout=3,
+                         before_ready=lambda c: fakes.append(FakeWorker(c, 2)))
+    fakes[0].welcome()  # then silence: no heartbeats, no ops
+    messages = run_until_failure(c)
+    assert all("no heartbeat" in m and "worker 2" in m for m in messages), messages
+    assert time.monotonic() - t0 < 15
+    close_failed(c)
+
+
+@pytest.mark.parametrize("meta", [b"\x01", s("x") + b"\x02\x00", s("x") + struct.pack("<I", 99)])
+def test_a_worker_that_sends_a_malformed_declare_is_dropped_and_named(meta, capfd):
+    fakes = []
+    c = InProcessCluster(2, 1, extra_workers=1, before_ready=lambda c: fakes.append(FakeWorker(c, 2)))
+    fakes[0].welcome()
+    fakes[0].link.send(DECLARE, meta)
+    messages = run_until_failure(c)
+    assert all("malformed frame" in m for m in messages), messages
+    close_failed(c)
+    assert "malformed frame" in capfd.readouterr().err
+
+
+def server_hello(rank):
+    return struct.pack("<q", rank) + s("")
+
+
+@pytest.mark.parametrize("frame", [
+    dict(type=PUSH, arg=1 << 40),                              # length beyond any partition
+    dict(type=PUSH, arg=16, body=b"\0" * 8, flags=2 << 8),     # body shorter than its length
+    dict(type=PUSH, arg=8, body=b"\0" * 8, flags=77 << 8),     # unknown dtype
+    dict(type=PUSH, arg=8, body=b"\0" * 8, flags=2 << 8, meta=struct.pack("<I", 99)),  # 99 contributions
+    dict(type=DECLARE),                                        # control frame on a data link
+    dict(type=999),                                            # unknown type
+])
+def test_a_server_drops_a_garbage_data_link_and_the_job_goes_on(frame, capfd):
+    with InProcessCluster(2, 1) as c:
+        link = c.connect_raw(c.servers[0].port)
+        link.send(SERVER_HELLO, server_hello(7))
+        frame = dict(frame)
+        link.send(frame.pop("type"), **frame)
+        assert link.recv(10) is None  # the server closed it
+        res = c.run_all(lambda r, w: push_pull(w, "x", np.ones(10, np.float32)))
+        assert all(np.all(x == 2) for x in res)
+    assert "malformed frame" in capfd.readouterr().err
+
+
+def test_the_engine_runs_a_job_over_either_transport(transport):
+    t0 = time.monotonic()
+    with InProcessCluster(4, 2, partition_bytes=4096) as c:
+        res = c.run_all(lambda r, w: push_pull(w, "g", np.full(10000, r + 1.0, np.float32)))
+    assert all(np.all(x == 10) for x in res)
+    # A four-worker job, start to end, in well under a second on either transport.
+    assert time.monotonic() - t0 < 10
