@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <set>
 
 #include "../src/affinity.h"
@@ -14,6 +15,7 @@
 #include "../src/reduce.h"
 #include "../src/scheduler.h"
 #include "../src/server.h"
+#include "../src/server_handler.h"
 #include "../src/transport.h"
 #include "../src/tuning.h"
 #include "../src/worker.h"
@@ -55,6 +57,49 @@ int64_t Elements(const std::vector<int64_t>& shape) {
   for (int64_t d : shape) n *= d;
   return n;
 }
+
+// A server handler written in Python (for tests and for prototyping server-side logic;
+// it runs under the GIL, so it is slow): `on_push(key, version, dtype, sender, data)`
+// gets each push's bytes (a read-only memoryview; None for an empty push) and
+// `on_round_complete(key, version, dtype, nbytes, senders)` returns the round's answer,
+// a bytes-like object of `nbytes` bytes, or raises to fail the round.
+class PythonHandler : public ServerHandler {
+ public:
+  PythonHandler(py::object impl, std::shared_ptr<BufferPool> pool) : impl_(std::move(impl)), pool_(std::move(pool)) {}
+  ~PythonHandler() override {
+    py::gil_scoped_acquire gil;
+    impl_ = py::object();
+  }
+  std::string OnPush(Round& r, const Push& p) override {
+    py::gil_scoped_acquire gil;
+    try {
+      py::object data = p.body ? py::object(py::memoryview::from_memory(p.body->data(), p.len, true)) : py::none();
+      impl_.attr("on_push")(r.key, r.version, DTypeName(p.dtype), p.sender, data);
+      return "";
+    } catch (const py::error_already_set& e) {
+      return std::string("server handler: ") + e.what();
+    }
+  }
+  std::string OnRoundComplete(Round& r) override {
+    py::gil_scoped_acquire gil;
+    try {
+      py::buffer out = impl_.attr("on_round_complete")(r.key, r.version, DTypeName(r.dtype), r.len, r.senders);
+      py::buffer_info info = out.request();
+      const uint64_t n = static_cast<uint64_t>(info.size * info.itemsize);
+      if (n != r.len)
+        return "server handler answered " + std::to_string(n) + " bytes for a round of " + std::to_string(r.len);
+      r.result = pool_->Acquire(r.len);
+      if (n) std::memcpy(r.result->data(), info.ptr, n);
+      return "";
+    } catch (const py::error_already_set& e) {
+      return std::string("server handler: ") + e.what();
+    }
+  }
+
+ private:
+  py::object impl_;
+  std::shared_ptr<BufferPool> pool_;
+};
 
 template <typename T>
 bool WaitReleased(T& obj, double seconds) {
@@ -216,9 +261,17 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](const std::string& scheduler_host, int scheduler_port,
                        const std::string& listen_host, const std::string& advertise_host, int server_id,
                        int engine_threads, const std::string& numa, double rendezvous_timeout,
-                       const std::string& secret, const std::string& host_id, const std::string& transport) {
+                       const std::string& secret, const std::string& host_id, const std::string& transport,
+                       py::object handler) {
              ServerOptions o;
              o.transport = transport;
+             if (!handler.is_none()) {
+               // One Python handler object per engine thread, made by calling `handler()`.
+               o.handler = [handler](std::shared_ptr<BufferPool> pool) -> std::unique_ptr<ServerHandler> {
+                 py::gil_scoped_acquire gil;
+                 return std::make_unique<PythonHandler>(handler(), std::move(pool));
+               };
+             }
              o.host_id = host_id;
              o.scheduler_host = scheduler_host;
              o.scheduler_port = scheduler_port;
@@ -234,7 +287,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("scheduler_host"), py::arg("scheduler_port"), py::arg("listen_host") = "0.0.0.0",
            py::arg("advertise_host") = "", py::arg("server_id") = -1, py::arg("engine_threads") = 2,
            py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
-           py::arg("host_id") = "", py::arg("transport") = "tcp")
+           py::arg("host_id") = "", py::arg("transport") = "tcp", py::arg("handler") = py::none(),
+           "`handler`: None (sum) or a factory of Python server handlers (see PythonHandler).")
       .def_property_readonly("port", &Server::port)
       .def("start", &Server::Start)
       .def("wait", &WaitReleased<Server>, py::arg("seconds"))

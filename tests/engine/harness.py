@@ -26,13 +26,14 @@ class InProcessCluster:
 
     def __init__(self, workers=2, servers=1, secret="", local_size=1, worker_hosts=None,
                  server_hosts=None, mixed_mode=True, assign_ranks=False, transport=None,
-                 extra_workers=0, before_ready=None, peer_timeout=10, **worker_kwargs):
+                 extra_workers=0, before_ready=None, peer_timeout=10, handler=None, **worker_kwargs):
         """``workers`` processes on ``workers // local_size`` hosts (BytePS's
         DMLC_NUM_WORKER); ``worker_hosts`` / ``server_hosts`` name each node's host
         (BPSTRAIN_HOST_ID) for mixed-mode placement, default all unnamed; with
         ``assign_ranks`` the scheduler numbers workers by arrival (no DMLC_WORKER_ID).
         ``extra_workers`` more workers are expected that the test plays itself
-        (``before_ready(cluster)`` connects them, through ``connect_raw``)."""
+        (``before_ready(cluster)`` connects them, through ``connect_raw``). ``handler``
+        is a factory of Python server handlers (None: the servers sum)."""
         self.transport = transport = transport or DEFAULT_TRANSPORT
         self.scheduler = _core.Scheduler((workers + extra_workers) // local_size, servers, host="127.0.0.1",
                                          port=0, rendezvous_timeout=20, peer_timeout=peer_timeout,
@@ -43,7 +44,7 @@ class InProcessCluster:
         self.servers = [
             _core.Server("127.0.0.1", port, listen_host="127.0.0.1", engine_threads=2, numa="off",
                          rendezvous_timeout=20, secret=secret, server_id=j, host_id=server_hosts[j],
-                         transport=transport)
+                         transport=transport, handler=handler)
             for j in range(servers)
         ]
         for s in self.servers:
