@@ -14,6 +14,7 @@
 #include "../src/common.h"
 #include "../src/reduce.h"
 #include "../src/scheduler.h"
+#include "../src/send_policy.h"
 #include "../src/server.h"
 #include "../src/server_handler.h"
 #include "../src/transport.h"
@@ -230,6 +231,36 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("transport"), py::arg("host"), py::arg("port"), py::arg("timeout") = 10.0,
       "A RawLink to host:port over `transport` (\"tcp\" or \"inproc\").");
+
+  py::class_<SendPolicy>(m, "SendPolicy",
+                         "The worker's partition scheduling policy (priority, credit, global order, spread), "
+                         "exposed for tests; parts are (offset, bytes, server).")
+      .def(py::init<int, bool, int64_t>(), py::arg("num_servers"), py::arg("priority"), py::arg("credit_bytes"))
+      .def(
+          "add_op",
+          [](SendPolicy& p, uint64_t key_base, uint64_t version, int priority,
+             const std::vector<std::tuple<int64_t, int64_t, int>>& parts, int rank) {
+            std::vector<Part> ps;
+            for (const auto& [off, len, server] : parts) {
+              if (server < 0 || len < 0) throw Error(Error::kConfig, "bad part");
+              ps.push_back(Part{off, len, server});
+            }
+            p.AddOp(nullptr, key_base, version, priority, ps, rank);
+          },
+          py::arg("key_base"), py::arg("version"), py::arg("priority"), py::arg("parts"), py::arg("rank"))
+      .def("ready", &SendPolicy::Ready, py::arg("server"))
+      .def(
+          "pop",
+          [](SendPolicy& p, int server) {
+            if (!p.Ready(server)) throw Error(Error::kConfig, "server " + std::to_string(server) + " is not ready");
+            SendTask t = p.Pop(server);
+            return py::make_tuple(t.key, t.version, t.offset, t.len, t.server, t.priority);
+          },
+          py::arg("server"), "(key, version, offset, bytes, server, priority) of the next push; charges the credit.")
+      .def("done", &SendPolicy::Done, py::arg("bytes"))
+      .def_property_readonly("bytes_in_flight", &SendPolicy::bytes_in_flight)
+      .def_static("spread_order", &SendPolicy::SpreadOrder, py::arg("servers"), py::arg("rank"),
+                  py::arg("num_servers"));
 
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init([](int workers, int servers, const std::string& host, int port,

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "common.h"
-#include "worker.h"
+#include "op_request.h"
 
 namespace bps {
 

@@ -10,7 +10,7 @@
 
 namespace bps {
 
-struct Worker::Handle {
+struct OpHandle {
   int64_t id = 0;
   bool barrier = false;
   OpRequest req;
@@ -26,25 +26,8 @@ struct Worker::Handle {
   bool local_group = false;  // hierarchical: reduced by the host's local group
 };
 
-struct Worker::Tensor {
-  std::string name;
-  DType dtype;
-  std::vector<int64_t> shape;
-  std::string device, layout;
-  int64_t id = -1;
-  bool declared = false;
-  std::vector<Part> parts;
-  uint64_t next_version = 0;
-  int participants = 0;
-  std::vector<std::shared_ptr<Handle>> waiting;  // ops queued before the declare reply
-};
-
 namespace {
 constexpr int kPartBits = 20;  // key = tensor id << 20 | partition index
-
-std::string Describe(DType d, const std::vector<int64_t>& s) {
-  return std::string("dtype=") + DTypeName(d) + " shape=" + ShapeString(s);
-}
 }  // namespace
 
 Worker::Worker(const WorkerOptions& opts) : opts_(opts), transport_(Transport::Get(opts.transport)) {
@@ -112,8 +95,7 @@ void Worker::Rendezvous() {
     MeasureLinks(conns);
     std::lock_guard<std::mutex> lk(mu_);
     if (stopping_) return;
-    queues_.assign(servers_.size(), std::priority_queue<Task, std::vector<Task>, TaskOrder>(
-                                        TaskOrder{opts_.priority}));
+    policy_ = std::make_unique<SendPolicy>(static_cast<int>(servers_.size()), opts_.priority, credit_);
     conns_ = std::move(conns);
     for (auto& dc : conns_) {
       DataConn* p = dc.get();
@@ -181,42 +163,27 @@ bool Worker::WaitReady(double seconds) {
   return ready_;
 }
 
-void Worker::SendDeclareLocked(Tensor& t) {
-  MetaWriter w;
-  w.Str(t.name).U32(static_cast<uint32_t>(t.dtype)).I64Vec(t.shape).I64(opts_.partition_bytes);
-  w.U32(static_cast<uint32_t>(t.participants));
-  w.I64(static_cast<int64_t>(link_.bytes_per_s));  // for an auto partition size
-  w.Str(t.device).Str(t.layout);
-  control_.Send(MsgType::kDeclare, w.bytes());
-}
-
 void Worker::Declare(const OpRequest& req) {
   std::lock_guard<std::mutex> lk(mu_);
   DeclareLocked(req, 0);
 }
 
-Worker::Tensor& Worker::DeclareLocked(const OpRequest& req, int participants) {
+std::shared_ptr<TensorDecl> Worker::DeclareLocked(const OpRequest& req, int participants) {
   if (failed_) throw Error(fail_kind_, "the engine failed earlier: " + fail_msg_);
   if (!ready_) throw Error(Error::kGeneric, "the worker is not initialized; call init() first");
-  participants = participants ? participants : size_;
-  auto it = tensors_.find(req.name);
-  if (it != tensors_.end()) {
-    const Tensor& t = *it->second;
-    if (t.dtype == req.dtype && t.shape == req.shape && t.device == req.device && t.layout == req.layout &&
-        t.participants == participants)
-      return *it->second;
-    // Another dtype/shape/device/layout: the name is declared afresh (see Declare).
-  }
-  auto t = std::make_shared<Tensor>();
-  t->name = req.name;
-  t->dtype = req.dtype;
-  t->shape = req.shape;
-  t->device = req.device;
-  t->layout = req.layout;
-  t->participants = participants;
-  SendDeclareLocked(*t);
-  awaiting_reply_[req.name].push_back(t);
-  return *(tensors_[req.name] = std::move(t));
+  std::string declare;
+  auto t = registry_.Use(req, participants ? participants : size_, opts_.partition_bytes, link_.bytes_per_s, &declare);
+  if (!declare.empty()) control_.Send(MsgType::kDeclare, declare);  // queued, not sent under mu_
+  return t;
+}
+
+std::shared_ptr<OpHandle> Worker::NewHandleLocked(const OpRequest& req) {
+  auto h = std::make_shared<OpHandle>();
+  h->id = next_handle_++;
+  h->req = req;
+  if (trace_) h->enqueued_us = WallMicros();
+  handles_[h->id] = h;
+  return h;
 }
 
 int64_t Worker::Enqueue(const OpRequest& req) {
@@ -236,22 +203,18 @@ int64_t Worker::Enqueue(const OpRequest& req) {
     // The whole tensor is declared with the scheduler first, as on the flat path, so a
     // shape or dtype that differs on any rank of any host fails on every rank (and the
     // job goes on) instead of only on the ranks of one host that notice it.
-    std::shared_ptr<Handle> h;
+    std::shared_ptr<OpHandle> h;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      Tensor& t = DeclareLocked(req, 0);
-      h = std::make_shared<Handle>();
-      h->id = next_handle_++;
-      h->req = req;
+      auto t = DeclareLocked(req, 0);
+      h = NewHandleLocked(req);
       h->total_parts = h->remaining = 1;
       h->local_group = true;
-      h->version = t.next_version++;  // rounds of the timeline
+      h->version = t->next_version++;  // rounds of the timeline
       h->bytes = static_cast<int64_t>(DTypeSize(req.dtype));
       for (int64_t d : req.shape) h->bytes *= d;
-      if (trace_) h->enqueued_us = WallMicros();
-      handles_[h->id] = h;
-      if (!t.declared) {
-        t.waiting.push_back(h);
+      if (!t->declared) {
+        t->waiting.push_back(h);
         return h->id;
       }
     }
@@ -259,15 +222,11 @@ int64_t Worker::Enqueue(const OpRequest& req) {
     return h->id;
   }
   std::lock_guard<std::mutex> lk(mu_);
-  Tensor& t = DeclareLocked(req, req.participants);
-  auto h = std::make_shared<Handle>();
-  h->id = next_handle_++;
-  h->req = req;
-  h->version = t.next_version++;
-  if (trace_) h->enqueued_us = WallMicros();
-  handles_[h->id] = h;
-  if (t.declared) ScheduleLocked(h, t);
-  else t.waiting.push_back(h);
+  auto t = DeclareLocked(req, req.participants);
+  auto h = NewHandleLocked(req);
+  h->version = t->next_version++;
+  if (t->declared) ScheduleLocked(h, *t);
+  else t->waiting.push_back(h);
   return h->id;
 }
 
@@ -275,44 +234,19 @@ int64_t Worker::EnqueueBarrier() {
   std::lock_guard<std::mutex> lk(mu_);
   if (failed_) throw Error(fail_kind_, "the engine failed earlier: " + fail_msg_);
   if (!ready_) throw Error(Error::kGeneric, "the worker is not initialized; call init() first");
-  auto h = std::make_shared<Handle>();
-  h->id = next_handle_++;
+  OpRequest barrier;
+  barrier.name = "<barrier>";
+  auto h = NewHandleLocked(barrier);
+  h->enqueued_us = 0;
   h->barrier = true;
-  h->req.name = "<barrier>";
-  handles_[h->id] = h;
   barrier_waiters_.push_back(h);
   control_.Send(MsgType::kBarrier);
   return h->id;
 }
 
-void Worker::ScheduleLocked(const std::shared_ptr<Handle>& h, Tensor& t) {
+void Worker::ScheduleLocked(const std::shared_ptr<OpHandle>& h, TensorDecl& t) {
   h->total_parts = h->remaining = static_cast<int>(t.parts.size());
-  // Send order inside one operation: each server's partitions are spread evenly over the
-  // operation (the i-th of a server's c partitions goes at fraction i/c), so that servers
-  // holding more bytes (mixed mode's dedicated ones) are fed all along instead of getting
-  // the whole tail; and this rank starts at its own offset among the servers (rank r sends
-  // to server (r + j) % k in slot j), so at any moment the workers feed different servers
-  // instead of all crowding one link. With equal shares this is slot g*k + j for the g-th
-  // partition of each server.
-  const int k = static_cast<int>(servers_.size());
-  std::vector<int> count(k, 0), seen(k, 0);
-  for (const Part& part : t.parts) ++count[part.server];
-  std::vector<std::pair<double, size_t>> order(t.parts.size());
-  for (size_t p = 0; p < t.parts.size(); ++p) {
-    const int server = t.parts[p].server;
-    const int slot = ((server - rank_) % k + k) % k;
-    order[p] = {(seen[server]++ + static_cast<double>(slot) / k) / count[server], p};
-  }
-  std::sort(order.begin(), order.end());
-  const uint64_t base = next_seq_;
-  next_seq_ += t.parts.size();
-  for (size_t i = 0; i < order.size(); ++i) {
-    const size_t p = order[i].second;
-    const Part& part = t.parts[p];
-    uint64_t key = (static_cast<uint64_t>(t.id) << kPartBits) | p;
-    queues_[part.server].push(
-        Task{h, key, h->version, part.offset, part.len, part.server, h->req.priority, base + i});
-  }
+  policy_->AddOp(h, static_cast<uint64_t>(t.id) << kPartBits, h->version, h->req.priority, t.parts, rank_);
   send_cv_.notify_all();
 }
 
@@ -341,54 +275,20 @@ void Worker::OnControl(const FrameHeader& h, const std::string& meta) {
 void Worker::OnDeclareReply(const std::string& meta) {
   // Local-group ops are submitted after mu_ is released: the group's thread calls back
   // into Enqueue, which takes mu_.
-  std::vector<std::shared_ptr<Handle>> to_group;
+  std::vector<std::shared_ptr<OpHandle>> to_group;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    to_group = OnDeclareReplyLocked(meta);
+    std::string error;
+    auto t = registry_.OnReply(meta, static_cast<int>(servers_.size()), &error);
+    for (auto& h : t->waiting) {
+      if (h->done) continue;  // failed meanwhile (shutdown, a dead peer)
+      if (!error.empty()) FailHandleLocked(h, Error::kMismatch, error);
+      else if (h->local_group) to_group.push_back(h);
+      else ScheduleLocked(h, *t);
+    }
+    t->waiting.clear();
   }
   for (auto& h : to_group) group_->Submit(h->id, h->req);
-}
-
-std::vector<std::shared_ptr<Worker::Handle>> Worker::OnDeclareReplyLocked(const std::string& meta) {
-  MetaReader r(meta);
-  std::string name = r.Str();
-  uint32_t status = r.U32();
-  std::vector<std::shared_ptr<Handle>> to_group;
-  auto pending = awaiting_reply_.find(name);
-  if (pending == awaiting_reply_.end() || pending->second.empty())
-    throw FrameError("declare reply for '" + name + "', which this worker did not declare");
-  std::shared_ptr<Tensor> held = pending->second.front();
-  pending->second.pop_front();
-  if (pending->second.empty()) awaiting_reply_.erase(pending);
-  Tensor& t = *held;
-  if (status != 0) {
-    std::string msg = r.Str();
-    for (auto& h : t.waiting) FailHandleLocked(h, Error::kMismatch, msg);
-    t.waiting.clear();
-    // Every rank forgets it, so a corrected retry declares afresh.
-    auto it = tensors_.find(name);
-    if (it != tensors_.end() && it->second == held) tensors_.erase(it);
-    return to_group;
-  }
-  t.id = r.I64();
-  uint32_t nparts = r.U32();
-  for (uint32_t p = 0; p < nparts; ++p) {
-    Part part;
-    part.offset = r.I64();
-    part.len = r.I64();
-    part.server = static_cast<int>(r.U32());
-    if (part.server < 0 || part.server >= static_cast<int>(servers_.size()))
-      throw FrameError("partition placed on unknown server " + std::to_string(part.server));
-    t.parts.push_back(part);
-  }
-  t.declared = true;
-  for (auto& h : t.waiting) {
-    if (h->done) continue;  // failed meanwhile (shutdown, a dead peer)
-    if (h->local_group) to_group.push_back(h);
-    else ScheduleLocked(h, t);
-  }
-  t.waiting.clear();
-  return to_group;
 }
 
 void Worker::StartLocalGroup(uint64_t job_id) {
@@ -417,50 +317,36 @@ void Worker::StartLocalGroup(uint64_t job_id) {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = handles_.find(id);
     if (it == handles_.end()) return;
-    Handle& h = *it->second;
+    OpHandle& h = *it->second;
     // Timeline: "push" = the host's reduce and its slice through the servers, "pull" =
     // gathering the whole result.
     h.push_begin_us = h.enqueued_us;
     h.push_end_us = h.pull_begin_us = reduced_us;
-    if (err.empty()) CompletePartLocked(it->second, 0);
+    if (err.empty()) CompletePartLocked(it->second);
     else FailHandleLocked(it->second, kind, err);
   };
   LocalGroup::Layout layout{job_id, rank_ / L, size_ / L, opts_.local_rank, L, size_};
   group_ = std::make_unique<LocalGroup>(layout, std::move(hooks), cpus_);
 }
 
-bool Worker::IsGlobalNextLocked(int server) const {
-  // Under a credit the partitions go out in one global order (priority, then sequence),
-  // not in whichever order the per-server sender threads happen to wake up.
-  const Task& mine = queues_[server].top();
-  TaskOrder after{opts_.priority};
-  for (size_t s = 0; s < queues_.size(); ++s)
-    if (static_cast<int>(s) != server && !queues_[s].empty() && after(mine, queues_[s].top())) return false;
-  return true;
-}
-
 void Worker::SenderLoop(DataConn* c) {
   SetupEngineThread("bps-send" + std::to_string(c->server), cpus_);
-  auto& q = queues_[c->server];
   for (;;) {
-    Task t;
+    SendTask t;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      send_cv_.wait(lk, [&] {
-        return stopping_ || failed_ ||
-               (!q.empty() && (bytes_in_flight_ == 0 || bytes_in_flight_ + q.top().len <= credit_) &&
-                IsGlobalNextLocked(c->server));
-      });
+      send_cv_.wait(lk, [&] { return stopping_ || failed_ || policy_->Ready(c->server); });
       if (stopping_ || failed_) return;
-      t = q.top();
-      q.pop();
+      t = policy_->Pop(c->server);
       send_cv_.notify_all();  // another queue's head may now be the global next
-      if (t.handle->done) continue;  // its op already failed
-      bytes_in_flight_ += t.len;
+      if (t.op->done) {       // its op already failed
+        policy_->Done(t.len);
+        continue;
+      }
       in_flight_[{t.key, t.version}] = t;
-      if (trace_ && !t.handle->push_begin_us) t.handle->push_begin_us = WallMicros();
+      if (trace_ && !t.op->push_begin_us) t.op->push_begin_us = WallMicros();
     }
-    const OpRequest& req = t.handle->req;
+    const OpRequest& req = t.op->req;
     const bool bcast = req.op == Op::kBroadcast;
     const bool send_body = !bcast || req.root == rank_;
     FrameHeader h;
@@ -471,9 +357,10 @@ void Worker::SenderLoop(DataConn* c) {
     h.sender = rank_;
     h.flags = static_cast<uint16_t>((static_cast<int>(req.dtype) << 8) | (bcast ? kFlagBroadcast : 0) |
                                     (send_body ? 0 : kFlagEmpty));
+    const uint32_t participants = static_cast<uint32_t>(req.participants ? req.participants : size_);
     try {
-      c->link->Send(h, MetaWriter().U32(static_cast<uint32_t>(req.participants ? req.participants : size_)).bytes(), send_body ? static_cast<const char*>(req.input) + t.offset : nullptr,
-                    send_body ? t.len : 0);
+      c->link->Send(h, MetaWriter().U32(participants).bytes(),
+                    send_body ? static_cast<const char*>(req.input) + t.offset : nullptr, send_body ? t.len : 0);
     } catch (const Error& e) {
       if (!stopping_) Fail(Error::kPeer, e.what());
       return;
@@ -484,9 +371,9 @@ void Worker::SenderLoop(DataConn* c) {
     // for each other forever.
     std::lock_guard<std::mutex> lk(mu_);
     stats_.bytes_pushed += send_body ? t.len : 0;
-    bytes_in_flight_ -= t.len;
-    t.handle->bytes += t.len;
-    if (trace_ && ++t.handle->sent == t.handle->total_parts) t.handle->push_end_us = WallMicros();
+    policy_->Done(t.len);
+    t.op->bytes += t.len;
+    if (trace_ && ++t.op->sent == t.op->total_parts) t.op->push_end_us = WallMicros();
     send_cv_.notify_all();
   }
 }
@@ -500,7 +387,7 @@ void Worker::ReceiverLoop(DataConn* c) {
       const bool ok = h.type == static_cast<uint16_t>(MsgType::kPullReply);
       if (!ok && h.type != static_cast<uint16_t>(MsgType::kError))
         throw FrameError("unexpected frame type " + std::to_string(h.type) + " from a server");
-      Task t;
+      SendTask t;
       bool discard = false;
       {
         std::lock_guard<std::mutex> lk(mu_);
@@ -509,13 +396,13 @@ void Worker::ReceiverLoop(DataConn* c) {
           throw FrameError("reply for a partition that is not in flight (key " + std::to_string(h.key) + ")");
         t = it->second;
         in_flight_.erase(it);
-        discard = t.handle->done;
-        if (trace_ && !t.handle->pull_begin_us) t.handle->pull_begin_us = WallMicros();
+        discard = t.op->done;
+        if (trace_ && !t.op->pull_begin_us) t.op->pull_begin_us = WallMicros();
       }
       if (ok && h.body_len != static_cast<uint64_t>(t.len))
         throw FrameError("reply of " + std::to_string(h.body_len) + " bytes for a partition of " +
                          std::to_string(t.len));
-      const OpRequest& req = t.handle->req;
+      const OpRequest& req = t.op->req;
       char* dst = static_cast<char*>(req.output) + t.offset;
       if (!ok || discard) {
         c->link->DiscardBody(h.body_len);
@@ -527,8 +414,8 @@ void Worker::ReceiverLoop(DataConn* c) {
       std::lock_guard<std::mutex> lk(mu_);
       stats_.bytes_pulled += ok ? t.len : 0;
       ++stats_.partitions;
-      if (!ok) FailHandleLocked(t.handle, Error::kGeneric, "server: " + MetaReader(meta).Str());
-      CompletePartLocked(t.handle, t.len);
+      if (!ok) FailHandleLocked(t.op, Error::kGeneric, "server: " + MetaReader(meta).Str());
+      CompletePartLocked(t.op);
       send_cv_.notify_all();
     }
     FailServerLost(c->link->peer() + " closed the connection (server died?)");
@@ -550,7 +437,7 @@ void Worker::FailServerLost(const std::string& msg) {
   if (!stopping_) Fail(Error::kPeer, msg);
 }
 
-void Worker::CompletePartLocked(const std::shared_ptr<Handle>& h, int64_t) {
+void Worker::CompletePartLocked(const std::shared_ptr<OpHandle>& h) {
   if (--h->remaining <= 0 && !h->done) {
     h->done = true;
     if (trace_ && h->enqueued_us && !h->barrier) {
@@ -566,7 +453,7 @@ void Worker::CompletePartLocked(const std::shared_ptr<Handle>& h, int64_t) {
   }
 }
 
-void Worker::FailHandleLocked(const std::shared_ptr<Handle>& h, Error::Kind kind, const std::string& msg) {
+void Worker::FailHandleLocked(const std::shared_ptr<OpHandle>& h, Error::Kind kind, const std::string& msg) {
   if (h->error.empty()) {
     h->error = msg;
     h->kind = kind;
@@ -587,22 +474,16 @@ void Worker::Fail(Error::Kind kind, const std::string& msg) {
   send_cv_.notify_all();
 }
 
-std::shared_ptr<Worker::Handle> Worker::TakeHandle(int64_t id, bool* done) {
+bool Worker::Poll(int64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
   auto it = handles_.find(id);
   if (it == handles_.end())
     throw Error(Error::kConfig, "unknown handle " + std::to_string(id) + " (already synchronized?)");
   auto h = it->second;
-  *done = h->done;
-  if (h->done) handles_.erase(it);
-  return h;
-}
-
-bool Worker::Poll(int64_t id) {
-  std::lock_guard<std::mutex> lk(mu_);
-  bool done;
-  auto h = TakeHandle(id, &done);
-  if (done && !h->error.empty()) throw Error(h->kind, h->error);
-  return done;
+  if (!h->done) return false;
+  handles_.erase(it);
+  if (!h->error.empty()) throw Error(h->kind, h->error);
+  return true;
 }
 
 bool Worker::WaitFor(int64_t id, double seconds) {
@@ -622,10 +503,10 @@ std::string Worker::Describe(int64_t id) {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = handles_.find(id);
   if (it == handles_.end()) return "unknown handle";
-  const Handle& h = *it->second;
+  const OpHandle& h = *it->second;
   if (h.barrier) return "barrier (waiting for every rank to reach it)";
-  auto t = tensors_.find(h.req.name);
-  bool declared = t != tensors_.end() && t->second->declared;
+  auto t = registry_.Find(h.req.name);
+  bool declared = t && t->declared;
   std::string what = h.req.op == Op::kBroadcast ? "broadcast" : "push_pull";
   if (!declared)
     return what + " of '" + h.req.name + "' is waiting for every rank to declare it (did every rank call it?)";
@@ -637,9 +518,9 @@ std::string Worker::Describe(int64_t id) {
 std::vector<std::array<int64_t, 3>> Worker::Partitions(const std::string& name) {
   std::lock_guard<std::mutex> lk(mu_);
   std::vector<std::array<int64_t, 3>> out;
-  auto it = tensors_.find(name);
-  if (it == tensors_.end() || !it->second->declared) return out;
-  for (const Part& p : it->second->parts) out.push_back({p.offset, p.len, p.server});
+  auto t = registry_.Find(name);
+  if (!t || !t->declared) return out;
+  for (const Part& p : t->parts) out.push_back({p.offset, p.len, p.server});
   return out;
 }
 

@@ -1,11 +1,14 @@
 // The worker side of push_pull: one per training process.
 //
-// Tensors are declared by name; the scheduler checks that every rank agrees on dtype
-// and shape and returns the partition table (partitions of at most partition_bytes,
-// placed on servers by bytes). Each operation becomes one task per partition in a
-// per-server priority queue; sender threads (connections_per_server per server) take
-// the most urgent task while the bytes in flight stay under the credit, push it, and
-// receiver threads write the reduced partition straight into the output buffer.
+// Tensors are declared by name; the scheduler checks that every rank agrees on dtype,
+// shape, device and layout and returns the partition table (TensorRegistry). Each
+// operation becomes one task per partition; the SendPolicy decides which goes next
+// (priority, credit, one global order). This file owns what is left: rendezvous, the
+// handle table the adapters poll, the I/O threads (sender threads, connections_per_server
+// per server, push the policy's choice; receiver threads write the reduced partition
+// straight into the output buffer), the hierarchical glue and failure fan-out (a dead
+// peer fails every open handle). No frame is sent while mu_ is held: data frames go out
+// after the lock is released and control frames are queued (ControlClient's outbox).
 //
 // Usage:
 //   bps::WorkerOptions o; o.scheduler_host = "127.0.0.1"; o.scheduler_port = 9000;
@@ -32,6 +35,9 @@
 
 #include "common.h"
 #include "control.h"
+#include "op_request.h"
+#include "send_policy.h"
+#include "tensor_registry.h"
 #include "transport.h"
 #include "tuning.h"
 
@@ -64,25 +70,6 @@ struct WorkerOptions {
   // SO_SNDBUF of data connections; -1 = auto (AutoSocketSendBuffer), 0 = kernel autotuning.
   int socket_send_buffer = -1;
   std::string transport = "tcp";  // "tcp" or "inproc" (Transport::Get)
-};
-
-enum class Op : int { kSum = 0, kAverage = 1, kBroadcast = 2 };
-
-struct OpRequest {
-  std::string name;
-  DType dtype = DType::kFloat32;
-  std::vector<int64_t> shape;
-  const void* input = nullptr;  // must stay valid until the op completes
-  void* output = nullptr;       // may equal input (in place)
-  Op op = Op::kSum;
-  int root = 0;                 // broadcast only
-  int priority = 0;             // larger = sooner; adapters pass -parameter_index
-  int participants = 0;         // ranks taking part; 0 = all (hierarchical slices: hosts)
-  // Where the adapter keeps the tensor ("cpu", "cuda", ...) and how it cut it into
-  // engine tensors ("" = whole; e.g. "chunks:1048576"): both are part of the
-  // declaration, so ranks that disagree fail with MismatchError instead of mixing.
-  std::string device = "cpu";
-  std::string layout;
 };
 
 // Wall-clock microseconds (system_clock) of one finished operation's phases, recorded
@@ -144,27 +131,6 @@ class Worker {
   void Shutdown();
 
  private:
-  struct Handle;
-  struct Tensor;
-  struct Part {
-    int64_t offset, len;
-    int server;
-  };
-  struct Task {
-    std::shared_ptr<Handle> handle;
-    uint64_t key, version;
-    int64_t offset, len;
-    int server;
-    int priority;
-    uint64_t seq;
-  };
-  struct TaskOrder {
-    bool priority;
-    bool operator()(const Task& a, const Task& b) const {  // true = a after b
-      if (priority && a.priority != b.priority) return a.priority < b.priority;
-      return a.seq > b.seq;
-    }
-  };
   struct DataConn {
     std::unique_ptr<Link> link;
     int server;
@@ -176,19 +142,16 @@ class Worker {
   void MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns);
   void OnControl(const FrameHeader& h, const std::string& meta);
   void OnDeclareReply(const std::string& meta);
-  std::vector<std::shared_ptr<Handle>> OnDeclareReplyLocked(const std::string& meta);
-  void ScheduleLocked(const std::shared_ptr<Handle>& h, Tensor& t);
+  void ScheduleLocked(const std::shared_ptr<OpHandle>& h, TensorDecl& t);
   void SenderLoop(DataConn* c);
-  bool IsGlobalNextLocked(int server) const;
   void ReceiverLoop(DataConn* c);
-  void CompletePartLocked(const std::shared_ptr<Handle>& h, int64_t len);
-  void FailHandleLocked(const std::shared_ptr<Handle>& h, Error::Kind kind, const std::string& msg);
+  void CompletePartLocked(const std::shared_ptr<OpHandle>& h);
+  void FailHandleLocked(const std::shared_ptr<OpHandle>& h, Error::Kind kind, const std::string& msg);
   void Fail(Error::Kind kind, const std::string& msg);
   void FailServerLost(const std::string& msg);  // a data connection broke
-  std::shared_ptr<Handle> TakeHandle(int64_t id, bool* done);
-  void SendDeclareLocked(Tensor& t);
   void StartLocalGroup(uint64_t job_id);
-  Tensor& DeclareLocked(const OpRequest& req, int participants);
+  std::shared_ptr<TensorDecl> DeclareLocked(const OpRequest& req, int participants);
+  std::shared_ptr<OpHandle> NewHandleLocked(const OpRequest& req);
 
   WorkerOptions opts_;
   std::vector<int> cpus_;
@@ -211,17 +174,12 @@ class Worker {
   Error::Kind fail_kind_ = Error::kGeneric;
   std::string fail_msg_;
   std::atomic<bool> stopping_{false};
-  std::unordered_map<std::string, std::shared_ptr<Tensor>> tensors_;  // current declaration
-  // Declarations sent and not answered yet, per name, oldest first: the scheduler
-  // answers one name's declarations in the order they were made.
-  std::unordered_map<std::string, std::deque<std::shared_ptr<Tensor>>> awaiting_reply_;
-  std::unordered_map<int64_t, std::shared_ptr<Handle>> handles_;
-  std::vector<std::priority_queue<Task, std::vector<Task>, TaskOrder>> queues_;
-  std::map<std::pair<uint64_t, uint64_t>, Task> in_flight_;
-  std::deque<std::shared_ptr<Handle>> barrier_waiters_;
-  int64_t bytes_in_flight_ = 0;
+  TensorRegistry registry_;
+  std::unordered_map<int64_t, std::shared_ptr<OpHandle>> handles_;  // the one handle table
+  std::unique_ptr<SendPolicy> policy_;  // made once the credit is known
+  std::map<std::pair<uint64_t, uint64_t>, SendTask> in_flight_;  // pushed, reply pending
+  std::deque<std::shared_ptr<OpHandle>> barrier_waiters_;
   int64_t next_handle_ = 1;
-  uint64_t next_seq_ = 0;
   WorkerStats stats_;
   std::unique_ptr<LocalGroup> group_;  // hierarchical mode only
   bool trace_ = false;

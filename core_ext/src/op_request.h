@@ -1,0 +1,43 @@
+// One operation as the adapters hand it to a worker: the vocabulary shared by the worker,
+// its send policy, its tensor registry and the hierarchical local group (which must not
+// depend on the worker itself).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace bps {
+
+enum class Op : int { kSum = 0, kAverage = 1, kBroadcast = 2 };
+
+struct OpRequest {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  const void* input = nullptr;  // must stay valid until the op completes
+  void* output = nullptr;       // may equal input (in place)
+  Op op = Op::kSum;
+  int root = 0;                 // broadcast only
+  int priority = 0;             // larger = sooner; adapters pass -parameter_index
+  int participants = 0;         // ranks taking part; 0 = all (hierarchical slices: hosts)
+  // Where the adapter keeps the tensor ("cpu", "cuda", ...) and how it cut it into
+  // engine tensors ("" = whole; e.g. "chunks:1048576"): both are part of the
+  // declaration, so ranks that disagree fail with MismatchError instead of mixing.
+  std::string device = "cpu";
+  std::string layout;
+};
+
+// A worker's record of one queued operation (defined in worker.cc); the policy and the
+// registry only hold it.
+struct OpHandle;
+
+// One partition of a declared tensor: its bytes [offset, offset + len) live on `server`.
+struct Part {
+  int64_t offset = 0, len = 0;
+  int server = 0;
+};
+
+}  // namespace bps
