@@ -21,6 +21,7 @@ constexpr uint64_t kInprocQueueBytes = 8u << 20;
 class InprocTransport : public Transport {
  public:
   const char* name() const override { return "inproc"; }
+  bool has_links() const override { return false; }
   std::unique_ptr<Listener> Listen(const std::string& host, int port) override;
   std::unique_ptr<Link> Connect(const std::string& endpoint, double deadline_s,
                                 const std::atomic<bool>* cancel) override;

@@ -66,8 +66,11 @@ void Scheduler::Stop() {
     nodes = nodes_;
     cv_.notify_all();
   }
-  // What was posted last (the failure notice, terminate) still reaches the nodes.
-  for (auto& n : nodes) n->out->Close(1.0);
+  // What was posted last (the failure notice, terminate) still reaches the nodes: one
+  // second for all of them together, not one per node.
+  const auto deadline = Clock::now() + std::chrono::seconds(1);
+  for (auto& n : nodes)
+    n->out->Close(std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count()));
   if (accept_thread_.joinable()) accept_thread_.join();
   if (monitor_thread_.joinable()) monitor_thread_.join();
   std::vector<std::thread> threads;

@@ -76,6 +76,9 @@ class Transport {
  public:
   virtual ~Transport() = default;
   virtual const char* name() const = 0;
+  // False for transports with no link worth measuring (in-process): the worker then
+  // skips the link probe and the auto-tuning uses its no-measurement defaults.
+  virtual bool has_links() const { return true; }
   // Listens on host:port (port 0 picks a free one). Throws Error(kConfig) on failure.
   virtual std::unique_ptr<Listener> Listen(const std::string& host, int port) = 0;
   // Connects, retrying until `deadline_s` seconds have passed (peers start in any order)

@@ -118,7 +118,7 @@ void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
   // the socket send buffer.
   const bool auto_part = opts_.partition_bytes == 0;
   const bool auto_sndbuf = opts_.socket_send_buffer < 0;
-  if (auto_part || opts_.credit_bytes == 0 || auto_sndbuf) {
+  if ((auto_part || opts_.credit_bytes == 0 || auto_sndbuf) && transport_->has_links()) {
     std::vector<Link*> links;
     for (const auto& dc : conns)
       if (links.size() < static_cast<size_t>(dc->server + 1)) links.push_back(dc->link.get());
