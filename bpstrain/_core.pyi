@@ -4,7 +4,8 @@ Errors surface as bpstrain.errors exceptions: BpsError, MismatchError, PeerError
 BpsTimeoutError, ShutdownError, ConfigError.
 """
 
-from typing import Any, Dict, List, Union
+import enum
+from typing import Any, Dict, List, Sequence, Union
 
 import numpy as np
 
@@ -20,6 +21,13 @@ def sum_into(dst: Buffer, src: Buffer, dtype: str) -> None:
     """dst += src with the servers' kernels (fp16/bf16 through fp32)."""
 def accumulate(acc: Buffer, src: Buffer, dtype: str) -> None:
     """acc (float32) += src (float16/bfloat16), a server's per-push step."""
+
+class Op(enum.Enum):
+    """What one operation does with the ranks' tensors (0, 1, 2 convert implicitly)."""
+
+    SUM = 0
+    AVERAGE = 1
+    BROADCAST = 2
 
 class Scheduler:
     def __init__(self, num_workers: int, num_servers: int, host: str = "0.0.0.0", port: int = 0,
@@ -56,10 +64,14 @@ class Worker:
     def size(self) -> int: ...
     @property
     def num_servers(self) -> int: ...
-    def declare(self, name: str, dtype: str, shape: List[int]) -> None: ...
-    def enqueue(self, name: str, dtype: str, shape: List[int], input: Buffer, output: Buffer,
-                op: int, root: int = 0, priority: int = 0, participants: int = 0) -> int:
-        """op: 0 sum, 1 average, 2 broadcast. Returns a handle; buffers must stay alive."""
+    def declare(self, name: str, dtype: str, shape: Sequence[int], device: str = "cpu",
+                layout: str = "") -> None:
+        """Declares ``name`` now; another dtype/shape/device/layout later declares it afresh."""
+    def enqueue(self, name: str, dtype: str, shape: Sequence[int], input: Buffer, output: Buffer,
+                op: Op, root: int = 0, priority: int = 0, participants: int = 0,
+                device: str = "cpu", layout: str = "") -> int:
+        """Returns a handle (>= 1); buffers must stay alive. ``device`` and ``layout`` are
+        compared across ranks with the shape and dtype."""
     def enqueue_barrier(self) -> int: ...
     def poll(self, handle: int) -> bool: ...
     def wait(self, handle: int, seconds: float) -> bool: ...

@@ -21,16 +21,25 @@ import atexit
 import dataclasses
 import itertools
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
+from bpstrain._core import Op
 from bpstrain.config.env import ClusterEnv, read_env
 from bpstrain.config.schema import CommConfig, hierarchical_mode
 from bpstrain.errors import BpsTimeoutError, ConfigError
 
+
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
-_OP_SUM, _OP_AVERAGE, _OP_BROADCAST = 0, 1, 2
+"""The engine's dtypes; every adapter maps its own dtypes onto these names."""
+_NUMPY_NAMES: Dict[Any, str] = {np.dtype(n): n for n in DTYPES if n != "bfloat16"}
+try:
+    import ml_dtypes
+
+    _NUMPY_NAMES[np.dtype(ml_dtypes.bfloat16)] = "bfloat16"
+except ImportError:  # numpy alone has no bfloat16
+    pass
 _WAIT_SLICE = 0.1  # seconds per GIL-free wait; bounds Ctrl-C latency
 _HIERARCHICAL_CODES = {"false": 0, "true": 1, "auto": 2}  # WorkerOptions::Hierarchical
 
@@ -45,12 +54,17 @@ class _State:
     def __init__(self, env: ClusterEnv, options: Dict[str, Any]):
         self.env = env
         self.options = options
+        self.op_timeout = float(options["op_timeout"])
         self.worker = None  # bpstrain._core.Worker, None when standalone
         self.rank = 0
         self.size = 1
-        self.ops: Dict[int, Tuple[str, Any, np.ndarray]] = {}  # handle -> (name, input, output)
-        self.local_handles = itertools.count(-1, -1)  # standalone handles are negative
-        self.done_local: Dict[int, np.ndarray] = {}
+        # The one handle table of the process, shared by every adapter (as Horovod's
+        # mpi_ops keeps one): handle -> (result, pending, then). ``pending`` keeps an
+        # engine operation's buffers alive, is an adapter's composite operation
+        # (see track()), or is None once the operation is known to be finished.
+        # Engine handles are positive; standalone and composite ones negative.
+        self.ops: Dict[int, tuple] = {}
+        self.local_handles = itertools.count(-1, -1)
         self.unnamed = itertools.count()
         # Buffers of failed ops stay referenced: a straggling receive may still write them.
         self.graveyard: list = []
@@ -209,6 +223,20 @@ def local_size() -> int:
     return _require().env.local_size
 
 
+def env() -> ClusterEnv:
+    """The cluster environment this process was started with (``DMLC_*``/``BYTEPS_*``)."""
+    return _require().env
+
+
+def core_worker():
+    """The ``bpstrain._core.Worker`` of this process (None when standalone).
+
+    For tools that time or inspect the raw binding (``python -m bpstrain.bench
+    overhead``); operations queued on it directly bypass the handle table.
+    """
+    return _require().worker
+
+
 def options() -> Dict[str, Any]:
     """The resolved comm options of the running engine."""
     return dict(_require().options)
@@ -216,142 +244,245 @@ def options() -> Dict[str, Any]:
 
 def dtype_name(array: np.ndarray) -> str:
     """Maps a numpy dtype (ml_dtypes' bfloat16 included) to an engine dtype name."""
-    name = np.dtype(array.dtype).name
-    if name not in DTYPES:
-        raise ValueError(
-            f"unsupported dtype; expected one of {', '.join(DTYPES)}. Received: dtype={name}"
-        )
+    name = _NUMPY_NAMES.get(array.dtype)
+    if name is None:
+        name = np.dtype(array.dtype).name
+        if name not in DTYPES:
+            raise ValueError(
+                f"unsupported dtype; expected one of {', '.join(DTYPES)}. Received: dtype={name}")
     return name
 
 
-def _auto_name(state: _State, kind: str) -> str:
-    # Unnamed tensors get names from a per-process counter: every rank must issue its
-    # unnamed calls in the same order (as with Horovod).
-    return f"{kind}.noname.{next(state.unnamed)}"
+def auto_name(kind: str) -> str:
+    """The name of an unnamed tensor: ``<kind>.noname.<k>``, from one per-process counter.
+
+    Every adapter names its unnamed calls here, so every rank must issue its unnamed
+    calls in the same order (as with Horovod).
+    """
+    return f"{kind}.noname.{next((_state or _require()).unnamed)}"
 
 
-def declare(name: str, shape, dtype: str, priority: int = 0) -> None:
-    """Registers ``name`` with the scheduler ahead of its first use (optional)."""
+def declare(name: str, shape, dtype: str, priority: int = 0, device: str = "cpu",
+            layout: str = "") -> None:
+    """Registers ``name`` with the scheduler ahead of its first use (optional).
+
+    Every operation declares its tensor itself, so this only moves the round trip to
+    the scheduler out of the first step.
+
+    Re-declare policy: a name is not bound to one signature for good. An operation
+    whose dtype, shape, ``device`` or ``layout`` differs from the name's previous use
+    on this rank declares the name afresh (new keys, placed afresh), and that
+    declaration is checked across ranks exactly like the first one: when the ranks
+    declare it differently (other shapes, a CPU tensor here and a CUDA tensor there,
+    chunks cut differently) every rank gets :class:`~bpstrain.errors.MismatchError`
+    and the job stays usable. Every rank must change the name in the same step; a
+    rank that keeps the old signature while another changes it waits, and both get
+    :class:`~bpstrain.errors.BpsTimeoutError` after ``op_timeout``. The shared-memory
+    path (``comm.hierarchical``, push_pull of workers on one host) cannot declare a
+    name again with another size yet: use a new name there.
+
+    Args:
+        name: the tensor name, the same on every rank.
+        shape: its dimensions.
+        dtype: one of :data:`DTYPES`.
+        priority: ignored (priority is per operation).
+        device: where the adapter keeps the tensor (``"cpu"``, ``"cuda"``, ...).
+        layout: how the adapter cut the tensor (e.g. CUDA staging chunks); compared
+            as a string.
+    """
     del priority  # priority is per operation
     state = _require()
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype; expected one of {', '.join(DTYPES)}. Received: dtype={dtype}")
     if state.worker is not None:
-        state.worker.declare(name, dtype, [int(d) for d in shape])
+        state.worker.declare(name, dtype, [int(d) for d in shape], device, layout)
 
 
 def enqueue(
     array: np.ndarray,
     name: Optional[str],
-    op: int,
+    op: Op,
     out: Optional[np.ndarray] = None,
     priority: int = 0,
     root: int = 0,
     dtype: Optional[str] = None,
     participants: int = 0,
+    device: str = "cpu",
+    layout: str = "",
 ) -> int:
-    """Low-level: queues one operation on ``array`` and returns its handle.
+    """Queues one operation on a numpy array and returns its handle (validates, then :func:`submit`).
 
-    ``dtype`` overrides the array's dtype for raw views (e.g. bfloat16 stored as
-    uint16). ``out`` receives the result (it may be ``array`` itself).
-    ``participants`` is the number of ranks that take part in this name (0 = all);
-    the GPU hierarchical path uses one rank per host for each slice.
+    Args:
+        array: the input; left unchanged unless ``out`` is ``array`` itself.
+        name: the tensor name (``None``: :func:`auto_name`).
+        op: ``Op.SUM``, ``Op.AVERAGE`` or ``Op.BROADCAST`` (0, 1, 2 are accepted).
+        out: receives the result (same shape and dtype); a new array when ``None``.
+        dtype: overrides the array's dtype for raw views (e.g. bfloat16 stored as uint16).
+        participants: ranks taking part in this name (0 = all); the GPU hierarchical
+            path uses one rank per host for each slice.
+        device, layout: see :func:`declare`.
     """
-    state = _require()
     array = np.asarray(array)
     if not array.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d into 1-d)
         array = array.copy(order="C")
     dtype = dtype or dtype_name(array)
     if out is None:
         out = np.empty_like(array)
-    if out.shape != array.shape or out.dtype != array.dtype:
+    elif out.shape != array.shape or out.dtype != array.dtype:
         raise ValueError(
             f"out must match the input's shape and dtype. Received: input {array.shape} {array.dtype}, "
             f"out {out.shape} {out.dtype}"
         )
-    name = name or _auto_name(state, "broadcast" if op == _OP_BROADCAST else "push_pull")
-    if state.worker is None:
-        if op == _OP_BROADCAST and root != 0:
-            raise ValueError(f"broadcast root must be in [0, 1). Received: root_rank={root}")
-        if out is not array:
-            np.copyto(out, array)
-        handle = next(state.local_handles)
-        state.done_local[handle] = out
-        return handle
+    if not isinstance(op, Op):
+        op = Op(op)
+    name = name or auto_name("broadcast" if op == Op.BROADCAST else "push_pull")
     src, dst = array, out
-    if array.dtype.name == "bfloat16":  # ml_dtypes arrays export no buffer format
+    if dtype == "bfloat16" and array.dtype.name == "bfloat16":  # ml_dtypes exports no buffer format
         src, dst = array.view(np.uint16), out.view(np.uint16)
-    handle = state.worker.enqueue(name, dtype, list(array.shape), src, dst, op, root, priority,
-                                  participants)
-    state.ops[handle] = (name, array, out)
+    return submit(name, dtype, array.shape, src, dst, op, root, priority, participants, device,
+                  layout, result=out)
+
+
+def submit(name: str, dtype: str, shape, src, dst, op: Op, root: int = 0, priority: int = 0,
+           participants: int = 0, device: str = "cpu", layout: str = "", result: Any = None,
+           then: Optional[Callable[[Any], Any]] = None,
+           wrap: Optional[Callable[[Any], Any]] = None) -> int:
+    """Low level, for adapters that validated their input: queues one operation on buffers.
+
+    ``src``/``dst`` are C-contiguous buffers of ``shape`` (0-d: pass ``(1,)``) in
+    ``dtype``; they stay referenced until the operation is over. The engine checks the
+    buffer sizes and the root.
+
+    Args:
+        result: what :func:`synchronize` returns (default ``dst``).
+        then: applied to the result by :func:`synchronize` (an adapter's copy-back).
+        wrap: called with ``dst`` once the operation is queued, its value becoming the
+            result: an adapter's conversion runs while the network works instead of
+            before every rank can start.
+    """
+    state = _state or _require()
+    worker = state.worker
+    if worker is None:
+        if op == Op.BROADCAST and root != 0:
+            raise ValueError(f"root_rank must be in [0, 1). Received: root_rank={root}")
+        if dst is not src:
+            np.copyto(dst, src)
+        handle = next(state.local_handles)
+        pending = None
+    else:
+        handle = worker.enqueue(name, dtype, shape, src, dst, op, root, priority, participants,
+                                device, layout)
+        pending = src, dst
+    if wrap is not None:
+        result = wrap(dst)
+    state.ops[handle] = dst if result is None else result, pending, then
+    return handle
+
+
+def track(op: Any, then: Optional[Callable[[Any], Any]] = None, result: Any = None) -> int:
+    """Gives an adapter's own operation a handle in the engine's one handle table.
+
+    Args:
+        op: has ``poll() -> bool`` (never blocks) and ``wait(timeout) -> value`` (GIL
+            released, Ctrl-C honoured), e.g. a staged CUDA push_pull whose chunks are
+            engine operations of their own; ``None``: already finished.
+        then: applied to the result by :func:`synchronize`.
+        result: what :func:`synchronize` returns (default: ``op.wait()``'s value).
+    """
+    state = _state or _require()
+    handle = next(state.local_handles)
+    state.ops[handle] = result, op, then
     return handle
 
 
 def push_pull_async(array, name=None, average=True, priority=0, out=None, dtype=None) -> int:
     """Starts summing (or averaging) ``array`` over all ranks; returns a handle."""
-    return enqueue(array, name, _OP_AVERAGE if average else _OP_SUM, out, priority, dtype=dtype)
+    return enqueue(array, name, Op.AVERAGE if average else Op.SUM, out, priority, dtype=dtype)
+
+
+def _entry(state: _State, handle: int) -> tuple:
+    try:
+        return state.ops[handle]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown handle (already synchronized?). Received: handle={handle!r}") from None
 
 
 def poll(handle: int) -> bool:
     """True when the operation behind ``handle`` has finished (never blocks)."""
-    state = _require()
-    if handle < 0:
+    state = _state or _require()
+    result, pending, then = _entry(state, handle)
+    if pending is None:
         return True
-    if handle not in state.ops:
-        raise ValueError(f"unknown handle {handle} (already synchronized?)")
-    return _finish_if(state, handle, lambda: state.worker.poll(handle), consume=False)
-
-
-def _finish_if(state: _State, handle: int, check, consume: bool) -> bool:
+    if handle < 0:  # an adapter's composite operation
+        return pending.poll()
     try:
-        done = check()
+        done = state.worker.poll(handle)
     except BaseException as exc:
-        if not isinstance(exc, KeyboardInterrupt):
-            state.graveyard.append(state.ops.pop(handle, None))
+        _bury(state, handle, exc)
         raise
-    if done and not consume:
-        # The engine forgot the handle; remember the result for synchronize().
-        state.done_local[handle] = state.ops.pop(handle)[2]
+    if done:  # the engine forgot the handle; remember the result for synchronize()
+        state.ops[handle] = result, None, then
     return done
 
 
-def synchronize(handle: int, timeout: Optional[float] = None) -> np.ndarray:
-    """Waits for ``handle`` and returns its output array.
+def _bury(state: _State, handle: int, exc: BaseException) -> None:
+    """Forgets a failed operation; its buffers stay referenced (a straggling receive
+    may still write them). After Ctrl-C the operation stays: synchronize() again."""
+    if not isinstance(exc, KeyboardInterrupt):
+        state.graveyard.append(state.ops.pop(handle, None))
+
+
+def synchronize(handle: int, timeout: Optional[float] = None) -> Any:
+    """Waits for ``handle`` and returns its output (an array; an adapter's tensor).
 
     Args:
-        handle: from :func:`push_pull_async` or :func:`broadcast_async`.
+        handle: from any ``*_async`` call of the engine or an adapter.
         timeout: seconds; defaults to the ``op_timeout`` option (300 s).
 
     Raises:
-        MismatchError: ranks disagree on the tensor's shape or dtype.
+        MismatchError: ranks disagree on the tensor's shape, dtype, device or layout.
         PeerError: a worker or server died.
-        BpsTimeoutError: not done within ``timeout``; says what it still waits for.
+        BpsTimeoutError: not done within ``timeout``; says what it still waits for (the
+            operation stays pending: synchronize it again or shut down).
     """
-    state = _require()
-    if handle in state.done_local:
-        return state.done_local.pop(handle)
-    if handle not in state.ops:
-        raise ValueError(f"unknown handle {handle} (already synchronized?)")
-    limit = float(state.options["op_timeout"] if timeout is None else timeout)
-    waited = 0.0
-    while not _finish_if(state, handle, lambda: state.worker.wait(handle, _WAIT_SLICE), consume=True):
+    state = _state or _require()
+    result, pending, then = _entry(state, handle)
+    if pending is not None:
+        limit = state.op_timeout if timeout is None else float(timeout)
+        try:
+            if handle < 0:
+                value = pending.wait(limit)
+                result = value if result is None else result
+            elif not state.worker.wait(handle, _WAIT_SLICE):
+                _wait_longer(state, handle, limit)
+        except BaseException as exc:
+            if not isinstance(exc, BpsTimeoutError):
+                _bury(state, handle, exc)
+            raise
+    del state.ops[handle]
+    return result if then is None else then(result)
+
+
+def _wait_longer(state: _State, handle: int, limit: float) -> None:
+    waited = _WAIT_SLICE
+    while not state.worker.wait(handle, _WAIT_SLICE):
         waited += _WAIT_SLICE
         if waited >= limit:
             raise BpsTimeoutError(
                 f"{state.worker.describe(handle)}; gave up after {limit:.0f} s. Raise the limit with "
                 "comm.op_timeout / BPSTRAIN_OP_TIMEOUT if a rank is legitimately slow."
             )
-    return state.ops.pop(handle)[2]
 
 
 def push_pull(array, name=None, average=True, priority=0, out=None, dtype=None) -> np.ndarray:
     """Sums (``average=False``) or averages ``array`` over all ranks; blocking."""
-    return synchronize(push_pull_async(array, name, average, priority, out, dtype))
+    return synchronize(enqueue(array, name, Op.AVERAGE if average else Op.SUM, out, priority,
+                               dtype=dtype))
 
 
 def broadcast_async(array, root_rank: int, name=None, out=None, dtype=None, priority=0) -> int:
     """Starts sending ``root_rank``'s ``array`` to every rank; returns a handle."""
-    return enqueue(array, name, _OP_BROADCAST, out, priority, root=root_rank, dtype=dtype)
+    return enqueue(array, name, Op.BROADCAST, out, priority, root=root_rank, dtype=dtype)
 
 
 def broadcast(array, root_rank: int, name=None, out=None, dtype=None) -> np.ndarray:
@@ -365,7 +496,7 @@ def barrier(timeout: Optional[float] = None) -> None:
     if state.worker is None:
         return
     handle = state.worker.enqueue_barrier()
-    state.ops[handle] = ("<barrier>", None, None)
+    state.ops[handle] = None, (), None
     synchronize(handle, timeout)
 
 

@@ -14,9 +14,12 @@ calls the user's code, and both wait with the GIL released. The caller's stream 
 on the final H2D event at :meth:`CudaOp.wait`, so results are ordered like any other
 CUDA work. Named tensors keep their pinned buffer from one step to the next.
 
-Names: a tensor that fits one chunk keeps its name; chunk i of a larger one is named
-``<name>.part<i>``, and ``<name>`` itself carries a small layout-check op (shape,
-dtype and chunk size, hashed) so ranks that disagree get an error, not a hang.
+Names: chunk 0 keeps the tensor's name, chunk i > 0 is named ``<name>.part<i>``. Every
+chunk is declared with ``device="cuda"`` and a ``layout`` that says how the tensor was
+cut (chunk bytes, index, count and the whole shape), so a rank that cuts differently,
+or passes a CPU tensor under the same name, gets MismatchError on every rank (chunk 0
+disagrees everywhere) instead of a hang. Chunks a disagreeing rank has and the others
+do not stay pending in the engine (their buffers referenced) until shutdown.
 """
 
 from __future__ import annotations
@@ -26,47 +29,46 @@ import queue
 import threading
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from bpstrain import engine
-from bpstrain.errors import BpsTimeoutError, MismatchError
+from bpstrain.engine import Op
+from bpstrain.errors import BpsTimeoutError
 from bpstrain.torch import _tensors
 
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """Elements [start, stop) of the flat tensor, sent as ``name`` with ``shape``."""
+    """Elements [start, stop) of the flat tensor, sent as ``name`` with ``shape``/``layout``."""
 
     name: str
     start: int
     stop: int
     shape: Tuple[int, ...]
+    layout: str = ""
 
 
 def chunk_plan(name: str, tensor: torch.Tensor, chunk_bytes: int) -> List[Chunk]:
     """How a CUDA tensor is cut for staging (the same on every rank for the same tensor)."""
-    numel = tensor.numel()
     per_chunk = max(1, chunk_bytes // tensor.element_size())
-    marker = _tensors.device_signature(tensor)
-    if numel <= per_chunk:
-        return [Chunk(name, 0, numel, (tuple(tensor.shape) or (1,)) + marker)]
-    starts = range(0, numel, per_chunk)
-    return [Chunk(f"{name}.part{i}", a, min(a + per_chunk, numel), (min(per_chunk, numel - a),) + marker)
-            for i, a in enumerate(starts)]
+    cuts = _tensors.pieces(tensor.numel(), per_chunk)
+    piece_bytes = per_chunk * tensor.element_size()
+    layouts = [_tensors.cut_layout("chunks", piece_bytes, i, len(cuts), tensor.shape)
+               for i in range(len(cuts))]
+    if len(cuts) == 1:
+        return [Chunk(name, 0, cuts[0][1], tuple(tensor.shape) or (1,), layouts[0])]
+    return [Chunk(name if i == 0 else f"{name}.part{i}", a, b, (b - a,), layouts[i])
+            for i, (a, b) in enumerate(cuts)]
 
 
 class CudaOp:
     """One staged operation; :meth:`wait` returns the output tensor on its device."""
 
-    def __init__(self, name, tensor, output, host, chunks, copy, ready, kind, average,
-                 priority, root, check):
+    def __init__(self, name, tensor, output, host, chunks, copy, ready, op, priority, root):
         self.name, self.tensor, self.output, self.host = name, tensor, output, host
         self.chunks, self.copy, self.ready = chunks, copy, ready
-        self.kind, self.average, self.priority, self.root = kind, average, priority, root
-        self.check = check  # (int64 array [h, h*h], h) or None
+        self.op, self.priority, self.root = op, priority, root
         self.host_device = tensor.device
-        self.check_handle: Optional[int] = None
         self.handles: List[int] = []
         self.error: Optional[BaseException] = None
         self.finished: Optional[torch.cuda.Event] = None
@@ -83,7 +85,8 @@ class CudaOp:
             waited += 0.1
             if waited >= timeout:
                 raise BpsTimeoutError(
-                    f"CUDA push_pull of '{self.name}' did not finish in {timeout:.0f} s "
+                    f"CUDA {'broadcast' if self.op == Op.BROADCAST else 'push_pull'} of "
+                    f"'{self.name}' did not finish in {timeout:.0f} s "
                     f"({len(self.handles)} of {len(self.chunks)} chunks handed to the engine). "
                     "Received: timeout")
         if self.error is not None:
@@ -132,15 +135,14 @@ class Stager:
             d2h.wait_event(last.finished)
         return host
 
-    def submit(self, tensor, output, name, kind, average=True, priority=0, root=0,
-               rank=0, check=False, reuse=False) -> CudaOp:
+    def submit(self, tensor, output, name, op, priority=0, root=0, rank=0,
+               reuse=False) -> CudaOp:
         """Starts the D2H copies on the caller's stream order and queues the op.
 
         Args:
             tensor: contiguous CUDA input (kept alive until the copies are done).
             output: contiguous CUDA tensor of the same shape for the result (may be ``tensor``).
-            kind: ``"push_pull"`` or ``"broadcast"``.
-            check: add the layout-check op (first use of a chunked name).
+            op: ``Op.SUM``, ``Op.AVERAGE`` or ``Op.BROADCAST``.
             reuse: keep the pinned buffer for the next op of this name (named tensors).
         """
         d2h, _ = self._streams_of(tensor.device)
@@ -149,19 +151,14 @@ class Stager:
         ready.record(torch.cuda.current_stream(tensor.device))
         host = self._host_buffer(name, tensor, reuse, d2h)
         # A non-root broadcast only receives: its input bytes are never read.
-        copy = kind != "broadcast" or rank == root
+        copy = op != Op.BROADCAST or rank == root
         if copy:
             tensor.record_stream(d2h)  # op.tensor keeps it alive until the copy is queued
-        layout = None
-        if check and len(chunks) > 1:
-            h = _tensors.layout_hash("cuda", tuple(tensor.shape), str(tensor.dtype), self.chunk_bytes)
-            layout = (np.array([h, h * h], dtype=np.int64).reshape(_tensors.LAYOUT_SHAPE + (1,)), h)
-        op = CudaOp(name, tensor, output, host, chunks, copy, ready, kind, average, priority,
-                    root, layout)
+        staged = CudaOp(name, tensor, output, host, chunks, copy, ready, op, priority, root)
         if reuse and self.cache_pinned:
-            self._pinned[name] = (host, op)
-        self._to_push.put(op)
-        return op
+            self._pinned[name] = (host, staged)
+        self._to_push.put(staged)
+        return staged
 
     def _push_loop(self) -> None:
         # One op at a time: queueing the D2H copies of every waiting op before the first
@@ -180,21 +177,13 @@ class Stager:
 
     def _hand_to_engine(self, op: CudaOp, events: List[Optional[torch.cuda.Event]]) -> None:
         """Starts the engine op of every chunk as soon as its D2H copy has landed."""
-        if op.check is not None:
-            op.check_handle = engine.push_pull_async(op.check[0], op.name, average=False,
-                                                     out=op.check[0])
         dtype = _tensors.engine_dtype(op.host)
         for c, event in zip(op.chunks, events):
             if event is not None:
                 event.synchronize()  # releases the GIL
             view = _tensors.host_view(op.host[c.start:c.stop], c.shape)
-            if op.kind == "broadcast":
-                h = engine.broadcast_async(view, op.root, c.name, out=view, dtype=dtype,
-                                           priority=op.priority)
-            else:
-                h = engine.push_pull_async(view, c.name, op.average, op.priority, out=view,
-                                           dtype=dtype)
-            op.handles.append(h)
+            op.handles.append(engine.submit(c.name, dtype, c.shape, view, view, op.op, op.root,
+                                            op.priority, device="cuda", layout=c.layout))
 
     def _copy_to_host(self, op: CudaOp) -> List[Optional[torch.cuda.Event]]:
         """Queues the D2H copies of every chunk; returns one event per chunk."""
@@ -230,13 +219,6 @@ class Stager:
             op.done.set()
 
     def _finish(self, op: CudaOp) -> None:
-        if op.check_handle is not None:
-            sums = engine.synchronize(op.check_handle)
-            if not _tensors.same_everywhere(sums, engine.size()):
-                raise MismatchError(
-                    f"tensor '{op.name}' has a different shape, dtype or chunk size on another "
-                    "rank; every rank must pass the same tensor signature for a name. Received: "
-                    f"this rank cuda {op.output.dtype} {tuple(op.output.shape)}")
         _, h2d = self._streams_of(op.output.device)
         h2d.wait_event(op.ready)
         flat = op.output.reshape(-1)

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from bpstrain.torch import ops
+from bpstrain.torch import _unused, ops
 
 
 class Bucket:
@@ -73,15 +73,13 @@ class Bucket:
         for p, view in zip(self.params, self.views()):
             if not p.requires_grad:
                 continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+            _unused.zeros_if_missing(p)  # none at launch: the bucket sent zeros for it
             targets.append(p.grad)
             sources.append(view)
         if targets:
             torch._foreach_copy_(targets, sources)
         for p in self.params:
-            if had_grad.get(id(p), True) is False and p.grad is not None and not bool(p.grad.any()):
-                p.grad = None  # unused on every rank: leave it as a local run would
+            _unused.none_if_unused(p, had_grad.get(id(p)))
         self.reset()
 
     def reset(self) -> None:

@@ -1,4 +1,4 @@
-"""How torch tensors cross into the engine: engine dtypes and zero-copy numpy views.
+"""How torch tensors cross into the engine: engine dtypes, zero-copy numpy views, cutting.
 
 The engine takes numpy arrays (buffer protocol). A contiguous CPU tensor crosses as
 ``tensor.numpy()``, which shares its memory, so the engine reads the input and writes
@@ -8,27 +8,19 @@ crosses as an int16 view of the same bytes and the engine is told ``dtype="bfloa
 
 from __future__ import annotations
 
-import zlib
-from typing import Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 import torch
 
-_ENGINE_DTYPES = {
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int32: "int32",
-    torch.int64: "int64",
-}
+from bpstrain import engine
 
-# Shape of the small int64 op that checks the layout of chunked CUDA tensors across
-# ranks (see bpstrain.torch._cuda). Eight dimensions: no user tensor of one chunk has
-# this exact signature, so a rank that does not chunk always collides with it loudly.
-LAYOUT_SHAPE: Tuple[int, ...] = (1, 1, 1, 1, 1, 1, 1, 2)
+ENGINE_DTYPES: Dict[torch.dtype, str] = {getattr(torch, name): name for name in engine.DTYPES}
+"""torch dtype -> engine dtype name, for every dtype the engine has."""
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+"""Bytes per staging chunk when ``comm.partition_bytes`` is 0 (the engine picks its own
+partitions then; staging only needs pieces large enough to keep PCIe busy)."""
 
 
 def engine_dtype(tensor: torch.Tensor) -> str:
@@ -38,9 +30,9 @@ def engine_dtype(tensor: torch.Tensor) -> str:
         ValueError: the dtype has no engine counterpart (bool, complex, ...).
     """
     try:
-        return _ENGINE_DTYPES[tensor.dtype]
+        return ENGINE_DTYPES[tensor.dtype]
     except KeyError:
-        supported = ", ".join(str(d).replace("torch.", "") for d in _ENGINE_DTYPES)
+        supported = ", ".join(engine.DTYPES)
         raise ValueError(
             f"bpstrain.torch supports tensors of dtype {supported}; cast the tensor first. "
             f"Received: dtype={tensor.dtype}") from None
@@ -62,27 +54,35 @@ def host_view(tensor: torch.Tensor, shape: Tuple[int, ...] = None) -> np.ndarray
     return t.reshape(shape).numpy()
 
 
-def device_signature(tensor: torch.Tensor) -> Tuple[int, ...]:
-    """Extra trailing dimensions that mark the device type in a declared shape.
+def chunk_bytes(partition_bytes: int) -> int:
+    """Bytes per piece when an adapter cuts a tensor itself (``0`` = auto partitions)."""
+    return int(partition_bytes) or DEFAULT_CHUNK_BYTES
 
-    CUDA tensors are declared with one more dimension of size 1 than CPU tensors, so
-    a name used with a CPU tensor on one rank and a CUDA tensor on another fails with
-    a shape mismatch on every rank instead of silently mixing the two.
+
+def pieces(numel: int, per_piece: int) -> List[Tuple[int, int]]:
+    """``[start, stop)`` of consecutive pieces of at most ``per_piece`` elements.
+
+    The one way a tensor is cut in this adapter (CUDA staging chunks, hierarchical
+    slices); at least one piece, also for an empty tensor.
     """
-    return (1,) if tensor.is_cuda else ()
+    per_piece = max(1, int(per_piece))
+    return [(a, min(a + per_piece, numel)) for a in range(0, max(numel, 1), per_piece)]
 
 
-def layout_hash(*parts) -> int:
-    """A small positive integer identifying a layout; ranks compare it by summing."""
-    # < 2**16 so that the sum of squares over thousands of ranks stays exact in int64.
-    return 1 + zlib.crc32(repr(parts).encode()) % ((1 << 16) - 1)
+def cut_layout(kind: str, piece_bytes: int, index: int, count: int, shape) -> str:
+    """The ``layout`` a piece is declared with, so ranks that cut differently fail.
 
-
-def same_everywhere(sums: np.ndarray, size: int) -> bool:
-    """Given the rank-sum of ``[h, h*h]``, tells whether every rank had the same ``h``.
-
-    By Cauchy-Schwarz, ``(sum h)**2 <= size * sum h**2`` with equality only when all
-    values are equal; integers make the comparison exact.
+    It names how the whole tensor (``shape``) was cut, and which piece this is: two
+    ranks whose pieces happen to have the same shape but come from different cuts or
+    tensors still disagree.
     """
-    total, squares = int(sums.reshape(-1)[0]), int(sums.reshape(-1)[1])
-    return total * total == size * squares
+    dims = "x".join(str(int(d)) for d in shape) or "scalar"
+    return f"{kind}:{piece_bytes}:{index}/{count}:{dims}"
+
+
+def average_(tensor: torch.Tensor, count: int) -> torch.Tensor:
+    """Divides a sum over ``count`` ranks in place, as the engine's ``Op.AVERAGE`` does:
+    floating tensors exactly, integers with floor division."""
+    if tensor.is_floating_point():
+        return tensor.div_(count)
+    return tensor.copy_(torch.div(tensor, count, rounding_mode="floor"))

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import io
-import itertools
 import pickle
 from typing import Any, Iterable, List, Tuple
 
@@ -18,10 +17,8 @@ import torch
 from bpstrain import engine
 from bpstrain.torch import ops
 
-# The engine fixes each name's shape at its first use, and two models may share key
-# names ("0.weight") with different shapes: every call gets fresh names. Ranks make
-# the same calls in the same order, so the counters agree.
-_calls = itertools.count()
+# Names repeat from call to call: a name used with another shape (two models sharing
+# "0.weight", a longer pickle) is declared afresh by the engine, on every rank.
 
 
 def broadcast_parameters(params, root_rank: int = 0, prefix: str = "broadcast_parameters") -> None:
@@ -43,7 +40,6 @@ def broadcast_parameters(params, root_rank: int = 0, prefix: str = "broadcast_pa
     else:
         raise ValueError("broadcast_parameters takes model.state_dict(), model.named_parameters() "
                          f"or a list of tensors. Received: {type(params).__name__}")
-    call = next(_calls)
     handles = []
     for index, (name, tensor) in enumerate(items):
         if tensor is None:
@@ -51,7 +47,7 @@ def broadcast_parameters(params, root_rank: int = 0, prefix: str = "broadcast_pa
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"broadcast_parameters expects tensors. Received: {name}="
                              f"{type(tensor).__name__}")
-        key = f"{prefix}.{call}.{name if name is not None else index}"
+        key = f"{prefix}.{name if name is not None else index}"
         handles.append(ops.broadcast_async_(tensor, root_rank, key))
     for handle in handles:
         ops.synchronize(handle)
@@ -72,8 +68,7 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str = None) -> A
     engine.broadcast(length, root_rank, f"{name}.length", out=length)
     if ops.rank() != root_rank:
         payload = np.empty(int(length[0]), np.uint8)
-    # The engine fixes a name's shape at first use: one name per payload size.
-    engine.broadcast(payload, root_rank, f"{name}.payload.{payload.size}", out=payload)
+    engine.broadcast(payload, root_rank, f"{name}.payload", out=payload)
     if ops.rank() == root_rank:
         return obj
     location = None if torch.cuda.is_available() else "cpu"
@@ -109,8 +104,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0,
                     entry[key] = ("value", value)
             summary.append((index, entry))
     options = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    call = next(_calls)
-    options, summary = broadcast_object((options, summary), root_rank, f"{prefix}.{call}.meta")
+    options, summary = broadcast_object((options, summary), root_rank, f"{prefix}.meta")
     if len(options) != len(optimizer.param_groups):
         raise ValueError("broadcast_optimizer_state needs the same parameter groups on every rank. "
                          f"Received: {len(optimizer.param_groups)} groups here, {len(options)} on "
@@ -132,7 +126,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0,
                 if not (isinstance(mine, torch.Tensor) and tuple(mine.shape) == shape
                         and mine.dtype == dtype and mine.device == device):
                     state[key] = mine = torch.zeros(shape, dtype=dtype, device=device)
-                handles.append(ops.broadcast_async_(mine, root_rank, f"{prefix}.{call}.{index}.{key}"))
+                handles.append(ops.broadcast_async_(mine, root_rank, f"{prefix}.{index}.{key}"))
     for handle in handles:
         ops.synchronize(handle)
     # Parameters the root has no state for must have none here either.

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from bpstrain import engine
+from bpstrain.engine import Op
 from bpstrain.torch import _tensors
 
 
@@ -45,7 +46,7 @@ def init_local_group(backend: Optional[str] = None, timeout_s: float = 120.0):
 
     if dist.is_initialized():
         return dist.group.WORLD
-    env = engine._require().env  # the engine is initialised first: same layout
+    env = engine.env()  # the engine is initialised first: same layout
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -99,7 +100,7 @@ class GpuHierarchy:
                 "every host must run the same number of ranks for the hierarchical path. "
                 f"Received: size={self.size}, local group size={self.local_size}")
         self.hosts = self.size // self.local_size
-        self.chunk_bytes = int(chunk_bytes or engine.options()["partition_bytes"])
+        self.chunk_bytes = _tensors.chunk_bytes(chunk_bytes or engine.options()["partition_bytes"])
         self._pinned = {}
 
     def close(self) -> None:
@@ -129,9 +130,9 @@ class GpuHierarchy:
         flat = tensor.view(-1)
         L = self.local_size
         per_slice = max(1, self.chunk_bytes // tensor.element_size())
+        cuts = _tensors.pieces(flat.numel(), per_slice * L)
         chunks = []  # (start, stop, padded chunk, slice buffer)
-        for start in range(0, max(flat.numel(), 1), per_slice * L):
-            stop = min(start + per_slice * L, flat.numel())
+        for start, stop in cuts:
             slice_len = max(1, -(-(stop - start) // L))
             padded = torch.zeros(slice_len * L, dtype=tensor.dtype, device=tensor.device)
             padded[: stop - start].copy_(flat[start:stop])
@@ -149,24 +150,24 @@ class GpuHierarchy:
                 continue
             host = self._host_buffer((name, i), sl)
             host.copy_(sl)  # D2H into pinned memory (synchronous: the engine reads it next)
-            handles.append(engine.enqueue(
-                _tensors.host_view(host), f"{name}.c{i}.s{self.local_rank}", 0, out=None,
-                priority=priority, dtype=dtype, participants=self.hosts))
+            view = _tensors.host_view(host)
+            layout = _tensors.cut_layout(f"hierarchical{L}", per_slice * tensor.element_size(),
+                                         i, len(chunks), tensor.shape)
+            # The sum lands in the pinned buffer itself; synchronize() returns that tensor.
+            handles.append(engine.submit(
+                f"{name}.c{i}.s{self.local_rank}", dtype, view.shape, view, view, Op.SUM,
+                priority=priority, participants=self.hosts, device=tensor.device.type,
+                layout=layout, result=host))
         # 3. results come back: H2D, then all-gather inside the host
         gathers = []
         for i, ((_, _, padded, sl), handle) in enumerate(zip(chunks, handles)):
             if handle is not None:
-                result = engine.synchronize(handle)
-                src = torch.from_numpy(result)
-                sl.copy_(src.view(torch.bfloat16) if tensor.dtype == torch.bfloat16 else src)
+                sl.copy_(engine.synchronize(handle))  # H2D from the pinned buffer
             gathers.append(_all_gather(padded, sl, self.group))
         for (start, stop, padded, _), work in zip(chunks, gathers):
             if work is not None:
                 work.wait()
             flat[start:stop].copy_(padded[: stop - start])
         if average:
-            if tensor.is_floating_point():
-                tensor.div_(self.size)
-            else:
-                tensor.copy_(torch.div(tensor, self.size, rounding_mode="floor"))
+            _tensors.average_(tensor, self.size)
         return tensor

@@ -13,34 +13,34 @@ CPU tensors cross into the engine as numpy views of their own memory (no copy wh
 contiguous). CUDA tensors are staged through pinned host memory chunk by chunk (see
 :mod:`bpstrain.torch._cuda`); results land on the tensor's device. Every rank must use
 the same name for the same tensor (same shape, dtype and device type); unnamed calls
-get names from a per-process counter, so ranks must issue them in the same order.
+get names from the engine's per-process counter, so ranks must issue them in the same
+order. Handles are the engine's own (:mod:`bpstrain.engine` keeps the one handle table
+of the process), so :func:`synchronize` and :func:`bpstrain.engine.synchronize` are one.
 """
 
 from __future__ import annotations
 
-import itertools
-from typing import Any, Dict, Optional
+import functools
+from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from bpstrain import engine
-from bpstrain.config.env import read_env
-from bpstrain.errors import MismatchError
+from bpstrain.engine import Op
 from bpstrain.torch import _tensors
 from bpstrain.torch.compression import Compression
+
+_DTYPES = _tensors.ENGINE_DTYPES
+_SCALAR = (1,)  # the shape a 0-d tensor is sent with
 
 
 class _Runtime:
     """State of the torch layer between init() and shutdown()."""
 
     def __init__(self) -> None:
-        self.distributed = read_env().distributed
-        self.chunk_bytes = int(engine.options()["partition_bytes"])
-        self.op_timeout = float(engine.options()["op_timeout"])
-        self.handles: Dict[int, Any] = {}
-        self.ids = itertools.count(1)
-        self.unnamed = itertools.count()
-        self.checked: set = set()
+        self.distributed = engine.env().distributed
+        self.chunk_bytes = _tensors.chunk_bytes(engine.options()["partition_bytes"])
         self.stager = None  # created at the first CUDA op
 
     def cuda_stager(self):
@@ -112,99 +112,89 @@ def distributed() -> bool:
 
 
 def declare(name: str) -> None:
-    """BytePS compatibility: names are declared at first use, so this only validates."""
+    """BytePS compatibility: names are declared at first use, so this only validates.
+
+    A name may be used again with another shape, dtype or device when every rank does
+    so: that use declares it afresh (see :func:`bpstrain.engine.declare`).
+    """
     if not isinstance(name, str) or not name:
         raise ValueError(f"declare() takes a non-empty tensor name. Received: name={name!r}")
 
 
-class _Done:
-    """An operation that finished when it was started (standalone CUDA tensors)."""
-
-    def __init__(self, result: torch.Tensor):
-        self.result = result
-
-    def poll(self) -> bool:
-        return True
-
-    def wait(self, timeout: float) -> torch.Tensor:
-        return self.result
+def _bf16_tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array).view(torch.bfloat16)
 
 
-class _HostOp:
-    """One engine operation on CPU memory."""
-
-    def __init__(self, handle: int, result: torch.Tensor):
-        self.handle, self.result, self.done = handle, result, False
-
-    def poll(self) -> bool:
-        self.done = self.done or engine.poll(self.handle)
-        return self.done
-
-    def wait(self, timeout: float) -> torch.Tensor:
-        engine.synchronize(self.handle, timeout)
-        return self.result
-
-
-class _Then:
-    """Runs ``after(result)`` once ``inner`` is done (copy-back, decompression)."""
-
-    def __init__(self, inner, after):
-        self.inner, self.after = inner, after
-
-    def poll(self) -> bool:
-        return self.inner.poll()
-
-    def wait(self, timeout: float) -> torch.Tensor:
-        return self.after(self.inner.wait(timeout))
-
-
-def _copy_back(result: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _copy_back(staged: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        result.copy_(out)
+        result.copy_(staged)
     return result
 
 
-def _start(tensor: torch.Tensor, output: torch.Tensor, name: Optional[str], kind: str,
-           average: bool = True, priority: int = 0, root: int = 0) -> int:
-    rt = _runtime()
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{kind} takes a torch.Tensor. Received: {type(tensor).__name__}")
-    dtype = _tensors.engine_dtype(tensor)
+def _start(tensor: torch.Tensor, inplace: bool, name: Optional[str], op: Op,
+           priority: int = 0, root: int = 0) -> int:
+    """Validates ``tensor`` once and queues ``op``: the one path of every collective here.
+
+    Returns an engine handle; :func:`engine.synchronize` gives the result tensor
+    (``tensor`` itself when ``inplace``). Everything before the engine call is on the
+    critical path of a small operation (every rank waits for the slowest to enqueue),
+    so the common case, a contiguous CPU tensor, does as little as possible.
+    """
+    rt = _rt or _runtime()
+    try:
+        dtype = _DTYPES[tensor.dtype]
+    except (KeyError, AttributeError):
+        if not isinstance(tensor, torch.Tensor):
+            kind = "broadcast" if op == Op.BROADCAST else "push_pull"
+            raise ValueError(f"{kind} takes a torch.Tensor. Received: {type(tensor).__name__}") from None
+        dtype = _tensors.engine_dtype(tensor)  # raises the unsupported-dtype error
     named = name is not None
-    if name is None:
-        name = f"torch.{kind}.noname.{next(rt.unnamed)}"
-    if kind == "broadcast" and not 0 <= root < size():
-        raise ValueError(f"root_rank must be in [0, {size()}). Received: root_rank={root}")
-    result, inplace = output, tensor is output
-    tensor, output = tensor.detach(), output.detach()
-    staged = not output.is_contiguous()  # the engine needs contiguous memory
-    if staged:
-        output = torch.empty_like(output, memory_format=torch.contiguous_format)
-        if inplace:
-            output.copy_(tensor)
-    src = output if inplace else tensor.contiguous()
+    if not named:
+        name = engine.auto_name("torch.broadcast" if op == Op.BROADCAST else "torch.push_pull")
+    result = tensor
+    if tensor.requires_grad:
+        tensor = tensor.detach()  # the engine writes memory autograd does not see
     if tensor.is_cuda:
-        if not rt.distributed and size() == 1:
-            if src is not output:
-                output.copy_(src)
-            op = _Done(output)
-        else:
-            check = name not in rt.checked
-            rt.checked.add(name)
-            op = rt.cuda_stager().submit(src, output, name, kind, average, priority, root,
-                                         rank(), check, reuse=named)
+        return _start_cuda(rt, tensor, inplace, result, name, named, op, priority, root)
+    bf16 = dtype == "bfloat16"  # numpy has no bfloat16: the same bytes cross as int16
+    if not inplace:
+        src = (tensor if tensor.is_contiguous() else tensor.contiguous())
+        src = (src.view(torch.int16) if bf16 else src).numpy()
+        # The result is allocated by numpy and wrapped for torch once the engine has the
+        # operation: a third of the cost of torch.empty_like + .numpy() before it
+        # (the result's storage is not resizable, as with torch.from_numpy).
+        # numpy's shape tuple: pybind11 reads a torch.Size element by element, slowly.
+        return engine.submit(name, dtype, src.shape or _SCALAR, src, np.empty_like(src), op,
+                             root, priority, wrap=_bf16_tensor if bf16 else torch.from_numpy)
+    then = None
+    if not tensor.is_contiguous():  # the engine needs contiguous memory: stage, copy back
+        tensor = torch.empty_like(tensor, memory_format=torch.contiguous_format).copy_(tensor)
+        then = functools.partial(_copy_back, tensor)
+    view = (tensor.view(torch.int16) if bf16 else tensor).numpy()
+    return engine.submit(name, dtype, view.shape or _SCALAR, view, view, op, root, priority,
+                         result=result, then=then)
+
+
+def _start_cuda(rt, tensor, inplace, result, name, named, op, priority, root) -> int:
+    """CUDA tensors: staged through pinned memory (see :mod:`bpstrain.torch._cuda`)."""
+    if op == Op.BROADCAST and not 0 <= root < size():  # the staging threads report late
+        raise ValueError(f"root_rank must be in [0, {size()}). Received: root_rank={root}")
+    then = None
+    if not inplace:
+        result = output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        src = tensor if tensor.is_contiguous() else tensor.contiguous()
+    elif tensor.is_contiguous():
+        src = output = tensor
     else:
-        array, out = _tensors.host_view(src), _tensors.host_view(output)
-        if kind == "broadcast":
-            handle = engine.broadcast_async(array, root, name, out=out, dtype=dtype, priority=priority)
-        else:
-            handle = engine.push_pull_async(array, name, average, priority, out=out, dtype=dtype)
-        op = _HostOp(handle, output)
-    op = _Then(op, (lambda out: _copy_back(result, out)) if staged else (lambda out: result))
-    op.label = f"{kind} of '{name}' ({tensor.device.type} {str(tensor.dtype)[6:]} {tuple(tensor.shape)})"
-    handle = next(rt.ids)
-    rt.handles[handle] = op
-    return handle
+        src = output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        output.copy_(tensor)
+        then = functools.partial(_copy_back, output)
+    if not rt.distributed and size() == 1:
+        if src is not output:
+            output.copy_(src)
+        return engine.track(None, then, result)
+    staged = rt.cuda_stager().submit(src, output, name, op, priority, root, rank(), reuse=named)
+    return engine.track(staged, then, result)
 
 
 def push_pull_async(tensor, average=True, name=None, version=0, priority=0) -> int:
@@ -213,54 +203,37 @@ def push_pull_async(tensor, average=True, name=None, version=0, priority=0) -> i
     Args:
         tensor: any supported dtype, CPU or CUDA; left unchanged.
         average: divide the sum by :func:`size` (integers: floor division).
-        name: the same on every rank; ``None`` uses a per-process counter.
+        name: the same on every rank; ``None`` uses a per-process counter. A name may
+            be used again with another shape when every rank does so (re-declared).
         version: ignored (BytePS compatibility).
         priority: larger is sent sooner; gradients use ``-parameter_index``.
 
     Returns:
         A handle for :func:`poll` / :func:`synchronize` (which returns a new tensor).
     """
-    del version
-    output = torch.empty_like(tensor, memory_format=torch.contiguous_format).detach()
-    return _start(tensor, output, name, "push_pull", average, priority)
+    return _start(tensor, False, name, Op.AVERAGE if average else Op.SUM, priority)
 
 
 def push_pull_async_inplace(tensor, average=True, name=None, version=0, priority=0) -> int:
     """Like :func:`push_pull_async`, writing the result into ``tensor`` itself."""
-    del version
-    return _start(tensor, tensor, name, "push_pull", average, priority)
+    return _start(tensor, True, name, Op.AVERAGE if average else Op.SUM, priority)
 
 
 def poll(handle: int) -> bool:
     """True when the operation behind ``handle`` has finished (never blocks)."""
-    return _op(handle).poll()
-
-
-def _op(handle: int):
-    try:
-        return _runtime().handles[handle]
-    except KeyError:
-        raise ValueError(f"unknown handle (already synchronized?). Received: handle={handle!r}") from None
+    return engine.poll(handle)
 
 
 def synchronize(handle: int) -> torch.Tensor:
     """Waits for ``handle``; returns the output tensor (``tensor`` itself for in-place ops).
 
+    Waits at most ``comm.op_timeout`` seconds, with the GIL released (Ctrl-C works).
+
     Raises:
         MismatchError: ranks passed different shapes, dtypes or device types for the name.
         PeerError / BpsTimeoutError: a peer died or the op took longer than ``op_timeout``.
     """
-    rt = _runtime()
-    op = _op(handle)
-    try:
-        return op.wait(rt.op_timeout)
-    except MismatchError as exc:
-        raise MismatchError(
-            f"{op.label} does not match the other ranks: {exc} (CUDA tensors are declared "
-            "with one extra trailing dimension of size 1, so a CPU tensor on one rank and a "
-            "CUDA tensor on another shows up as a shape mismatch).") from exc
-    finally:
-        rt.handles.pop(handle, None)
+    return engine.synchronize(handle)
 
 
 class _PushPull(torch.autograd.Function):
@@ -269,12 +242,12 @@ class _PushPull(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, average, name, priority):
         ctx.average, ctx.name, ctx.priority = average, name, priority
-        return synchronize(push_pull_async(tensor, average, name, priority=priority))
+        return engine.synchronize(push_pull_async(tensor, average, name, priority=priority))
 
     @staticmethod
     def backward(ctx, grad):
         name = None if ctx.name is None else f"{ctx.name}.grad"
-        out = synchronize(push_pull_async(grad, ctx.average, name, priority=ctx.priority))
+        out = engine.synchronize(push_pull_async(grad, ctx.average, name, priority=ctx.priority))
         return out, None, None, None
 
 
@@ -285,35 +258,44 @@ def push_pull(tensor, average=True, name=None, version=0, priority=0,
     The gradient flows back through another push_pull: for ``y = push_pull(x,
     average=False)``, ``y.sum().backward()`` gives ``x.grad == size()``.
 
+    A name is declared at its first use; a later call with another shape, dtype or
+    device declares it again, checked across ranks like the first use: ranks that
+    declare it differently all get :class:`~bpstrain.errors.MismatchError` (see
+    :func:`bpstrain.engine.declare` for the whole policy).
+
     Args:
         compression: ``Compression.fp16`` sends floating tensors as float16.
     """
-    del version
+    if compression is Compression.none and not (
+            getattr(tensor, "requires_grad", False) and torch.is_grad_enabled()):
+        # Nothing to differentiate or compress: the thin path, one engine operation.
+        return engine.synchronize(_start(tensor, False, name, Op.AVERAGE if average else Op.SUM,
+                                         priority))
     compressed, ctx = compression.compress(tensor)
     return compression.decompress(_PushPull.apply(compressed, average, name, priority), ctx)
 
 
 def push_pull_inplace(tensor, average=True, name=None, version=0, priority=0) -> torch.Tensor:
     """Blocking in-place push_pull; returns ``tensor``."""
-    return synchronize(push_pull_async_inplace(tensor, average, name, version, priority))
+    return engine.synchronize(_start(tensor, True, name, Op.AVERAGE if average else Op.SUM,
+                                     priority))
 
 
 def broadcast_async(tensor, root_rank, name=None, priority=0) -> int:
     """Starts copying ``root_rank``'s ``tensor`` to every rank into a new tensor."""
-    output = torch.empty_like(tensor, memory_format=torch.contiguous_format).detach()
-    return _start(tensor, output, name, "broadcast", priority=priority, root=root_rank)
+    return _start(tensor, False, name, Op.BROADCAST, priority, root_rank)
 
 
 def broadcast_async_(tensor, root_rank, name=None, priority=0) -> int:
     """Starts overwriting ``tensor`` with ``root_rank``'s value, in place."""
-    return _start(tensor, tensor, name, "broadcast", priority=priority, root=root_rank)
+    return _start(tensor, True, name, Op.BROADCAST, priority, root_rank)
 
 
 def broadcast(tensor, root_rank, name=None) -> torch.Tensor:
     """Returns ``root_rank``'s ``tensor`` on every rank (exact, any dtype)."""
-    return synchronize(broadcast_async(tensor, root_rank, name))
+    return engine.synchronize(_start(tensor, False, name, Op.BROADCAST, 0, root_rank))
 
 
 def broadcast_(tensor, root_rank, name=None) -> torch.Tensor:
     """Overwrites ``tensor`` with ``root_rank``'s value; returns ``tensor``."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return engine.synchronize(_start(tensor, True, name, Op.BROADCAST, 0, root_rank))

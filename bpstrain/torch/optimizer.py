@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
-from bpstrain.torch import _fusion, ops
+from bpstrain.torch import _fusion, _unused, ops
 from bpstrain.torch.compression import Compression
 
 _instances = itertools.count()
@@ -156,10 +156,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             key = id(p)
             if key not in self._bps_names or not p.requires_grad or key in self._bps_fired:
                 continue
-            self._bps_had_grad[key] = p.grad is not None
-            if p.grad is None:
-                # Unused here, maybe used elsewhere: contribute zeros rather than hang.
-                p.grad = torch.zeros_like(p)
+            # Unused here, maybe used elsewhere: contribute zeros rather than hang.
+            self._bps_had_grad[key] = _unused.zeros_if_missing(p)
             self._bps_ready(p)
         for bucket in self._bps_buckets:  # buckets whose members are partly frozen
             if bucket.handle is None and any(q.requires_grad for q in bucket.params):
@@ -173,8 +171,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if compressed is not p.grad:
             p.grad.copy_(self._bps_compression.decompress(compressed, cctx))
         had_grad = self._bps_had_grad if had_grad is None else had_grad
-        if had_grad.get(id(p)) is False and not bool(p.grad.any()):
-            p.grad = None  # unused on every rank: leave it as a local run would
+        _unused.none_if_unused(p, had_grad.get(id(p)))
 
     def _bps_end_step(self, reset_buckets=True):
         """Forgets this step's operations (the next backward starts afresh)."""

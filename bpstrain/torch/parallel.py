@@ -22,7 +22,7 @@ from typing import Dict
 
 import torch
 
-from bpstrain.torch import ops
+from bpstrain.torch import _unused, ops
 from bpstrain.torch.compression import Compression
 from bpstrain.torch.functions import broadcast_parameters
 
@@ -102,17 +102,14 @@ class DistributedDataParallel(torch.nn.Module):
         self._callback_queued = False
         for p in self._params:
             if p.requires_grad and id(p) not in self._handles:
-                had_grad = p.grad is not None
-                if not had_grad:
-                    p.grad = torch.zeros_like(p)
+                had_grad = _unused.zeros_if_missing(p)
                 self._handles[id(p)] = (p,) + self._start(p) + (had_grad,)
         try:
             for p, handle, compressed, ctx, had_grad in self._handles.values():
                 ops.synchronize(handle)
                 if compressed is not p.grad:
                     p.grad.copy_(self._compression.decompress(compressed, ctx))
-                if not had_grad and not bool(p.grad.any()):
-                    p.grad = None
+                _unused.none_if_unused(p, had_grad)
         finally:
             self._handles.clear()
         self._register_hooks()  # parameters unfrozen since construction
@@ -123,9 +120,9 @@ class DistributedDataParallel(torch.nn.Module):
             if b is not None and b.numel() > 0:
                 groups.setdefault((b.dtype, b.device), []).append(b)
         # One flat broadcast per dtype and device instead of one per buffer.
-        for i, ((dtype, device), buffers) in enumerate(groups.items()):
+        for i, buffers in enumerate(groups.values()):
             flat = torch.cat([b.detach().reshape(-1) for b in buffers])
-            ops.broadcast_(flat, 0, name=f"{self._prefix}.buffers{i}.{str(dtype)[6:]}.{device.type}")
+            ops.broadcast_(flat, 0, name=f"{self._prefix}.buffers{i}")
             offset = 0
             with torch.no_grad():
                 for b in buffers:

@@ -214,9 +214,7 @@ class Trainer:
         from bpstrain import __version__
 
         keras = is_keras_model(self.module)
-        optimizer = None
-        if self.optimizer is not None and not keras:
-            optimizer = self.comm.unwrap_optimizer(self.optimizer)
+        optimizer = None if keras else self.optimizer
         history = self.history.to_dict()
         epochs = history["epochs"]
         if self.logs and (not epochs or epochs[-1].get("epoch") != self.current_epoch):

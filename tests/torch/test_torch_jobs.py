@@ -23,7 +23,7 @@ _jobs = {}
 
 def run_job(workers, servers, groups, extra_env=None, timeout=240):
     """Runs one launched job (cached per arguments); returns {check: {rank: result}}."""
-    key = (workers, servers, tuple(groups))
+    key = (workers, servers, tuple(groups), tuple(sorted((extra_env or {}).items())))
     if key in _jobs:
         return _jobs[key]
     env = {**os.environ, "BPSTRAIN_OP_TIMEOUT": "20", "PYTHONUNBUFFERED": "1",
@@ -67,6 +67,26 @@ def test_cpu_checks_on_2_workers(name):
 def test_cpu_checks_on_3_workers_2_servers(name):
     job = run_job(3, 2, CPU_GROUPS)
     _assert_check(job, name, 3)
+
+
+DECLARE_GROUPS = ["torch_checks_declare"]
+FLAT = {"BPSTRAIN_HIERARCHICAL": "0"}  # every worker talks to the servers itself
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [name for name, _ in collect(DECLARE_GROUPS)])
+def test_declaration_checks_on_3_workers(name):
+    job = run_job(3, 1, DECLARE_GROUPS, extra_env=FLAT)
+    _assert_check(job, name, 3)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason="the engine's shared-memory path (comm.hierarchical, "
+                   "workers of one host) cannot declare a name again with another size yet: "
+                   "MismatchError 'changed size on this rank' (core_ext/src/local_group.cc)")
+def test_hierarchical_path_declares_a_name_again():
+    job = run_job(2, 1, DECLARE_GROUPS)  # two workers on one host: hierarchical=auto
+    _assert_check(job, "check_name_may_change_shape_when_every_rank_changes_it", 2)
 
 
 @pytest.mark.timeout(30)

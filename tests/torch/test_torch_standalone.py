@@ -88,25 +88,33 @@ def test_optimizer_and_ddp_work_alone():
         ddp(torch.ones(2, 3)).sum().backward()
 
 
-def test_chunk_plan_names_and_shapes():
+def test_chunk_plan_names_shapes_and_layouts():
     small = torch.zeros(2, 3)
-    assert _cuda.chunk_plan("x", small, 1 << 20) == [_cuda.Chunk("x", 0, 6, (2, 3))]
+    assert _cuda.chunk_plan("x", small, 1 << 20) == [
+        _cuda.Chunk("x", 0, 6, (2, 3), "chunks:1048576:0/1:2x3")]
     big = torch.zeros(10, 3)
     chunks = _cuda.chunk_plan("y", big, 48)  # 12 float32 per chunk
-    assert [c.name for c in chunks] == ["y.part0", "y.part1", "y.part2"]
+    assert [c.name for c in chunks] == ["y", "y.part1", "y.part2"]
     assert [(c.start, c.stop, c.shape) for c in chunks] == [(0, 12, (12,)), (12, 24, (12,)),
                                                            (24, 30, (6,))]
+    assert [c.layout for c in chunks] == [f"chunks:48:{i}/3:10x3" for i in range(3)]
     assert _cuda.chunk_plan("z", torch.tensor(1.0), 64)[0].shape == (1,)
 
 
-def test_layout_check_detects_any_disagreement():
-    h = _tensors.layout_hash("cuda", (4, 4), "torch.float32", 1 << 20)
-    assert 0 < h < 1 << 16
-    same = torch.tensor([3 * h, 3 * h * h]).numpy()
-    assert _tensors.same_everywhere(same, 3)
-    other = h + 1
-    mixed = torch.tensor([2 * h + other, 2 * h * h + other * other]).numpy()
-    assert not _tensors.same_everywhere(mixed, 3)
+def test_chunk_layouts_differ_whenever_ranks_cut_differently():
+    """The layout string is what the scheduler compares: any other cut must differ."""
+    def first(shape, chunk_bytes):
+        c = _cuda.chunk_plan("t", torch.zeros(shape), chunk_bytes)[0]
+        return c.shape, c.layout
+
+    reference = first((4 * 12, 1), 48)
+    for shape, chunk_bytes in [((4 * 12, 1), 96),  # another chunk size
+                               ((2 * 12, 2), 48),  # same chunks, another tensor shape
+                               ((5 * 12, 1), 48)]:  # one chunk more
+        assert first(shape, chunk_bytes) != reference, (shape, chunk_bytes)
+    assert first((4 * 12, 1), 50) == reference  # 50 bytes cut like 48: the same layout
+    assert _tensors.pieces(0, 4) == [(0, 0)] and _tensors.pieces(9, 4) == [(0, 4), (4, 8), (8, 9)]
+    assert _tensors.chunk_bytes(0) == _tensors.DEFAULT_CHUNK_BYTES  # auto partitions
 
 
 def test_plan_buckets_groups_small_consecutive_parameters():

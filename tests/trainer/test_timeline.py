@@ -22,7 +22,7 @@ def _check_trace(trace):
 
 @pytest.mark.timeout(30)
 def test_recorder_wraps_engine_calls_and_puts_them_back(tmp_path):
-    originals = (engine.enqueue, engine.poll, engine.synchronize)
+    originals = (engine.submit, engine.poll, engine.synchronize)
     engine.init()
     try:
         recorder = EngineRecorder(rank=0)
@@ -34,7 +34,7 @@ def test_recorder_wraps_engine_calls_and_puts_them_back(tmp_path):
         engine.broadcast(np.zeros(3, np.int32), root_rank=0, name="params")
         recorder.span("step 0", 1.0, 2.0)
         recorder.uninstall()
-        assert (engine.enqueue, engine.poll, engine.synchronize) == originals
+        assert (engine.submit, engine.poll, engine.synchronize) == originals
     finally:
         engine.shutdown()
     trace = json.loads(json.dumps(recorder.trace()))

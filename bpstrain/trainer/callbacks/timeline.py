@@ -1,7 +1,8 @@
 """Communication timeline: every push_pull/broadcast per tensor, as Chrome-trace JSON.
 
-While fitting, the engine's ``enqueue`` / ``poll`` / ``synchronize`` are wrapped (in
-this process only), so every operation any adapter issues is recorded from the
+While fitting, the engine's ``submit`` / ``poll`` / ``synchronize`` are wrapped (in
+this process only; every operation of every adapter goes through ``submit``, the
+engine's own ``enqueue`` included), so every operation is recorded from the
 moment it is queued until the worker sees it complete; the engine itself records the
 push phase (first to last partition sent) and the pull phase (first to last reduced
 partition received) of each tensor, which appear as ``push <name>`` / ``pull <name>``. Each rank writes
@@ -22,8 +23,7 @@ from typing import Any, Dict, List, Optional, Union
 from bpstrain import engine
 from bpstrain.trainer.callbacks.base import Callback
 
-_OPS = {0: "push_pull", 1: "push_pull", 2: "broadcast"}
-_WRAPPED = ("enqueue", "poll", "synchronize")
+_WRAPPED = ("submit", "poll", "synchronize")
 
 
 def _now_us() -> float:
@@ -50,7 +50,7 @@ class EngineRecorder:
         if self._saved is not None:
             return
         self._saved = {name: getattr(engine, name) for name in _WRAPPED}
-        engine.enqueue, engine.poll, engine.synchronize = self._enqueue, self._poll, self._sync
+        engine.submit, engine.poll, engine.synchronize = self._submit, self._poll, self._sync
         if engine.is_initialized():
             engine.set_trace(True)  # the engine adds push and pull phases per tensor
 
@@ -85,13 +85,14 @@ class EngineRecorder:
             self._tids[name] = len(self._tids) + 1  # tid 0 is the steps row
         return self._tids[name]
 
-    def _enqueue(self, array, name=None, op=1, out=None, priority=0, root=0, dtype=None):
+    def _submit(self, name, dtype, shape, src, dst, op, root=0, priority=0, *args, **kwargs):
         begin = _now_us()
-        handle = self._saved["enqueue"](array, name, op, out, priority, root, dtype)
-        label = name or f"<unnamed {_OPS.get(op, op)}>"
-        nbytes = int(getattr(array, "nbytes", 0))
+        handle = self._saved["submit"](name, dtype, shape, src, dst, op, root, priority, *args,
+                                       **kwargs)
+        kind = "broadcast" if op == engine.Op.BROADCAST else "push_pull"
+        nbytes = int(getattr(src, "nbytes", 0))
         with self._lock:
-            self._pending[handle] = (label, _OPS.get(op, str(op)), begin, nbytes, priority)
+            self._pending[handle] = (name, kind, begin, nbytes, priority)
         return handle
 
     def _finish(self, handle: int) -> None:
