@@ -11,6 +11,7 @@ Examples::
     python -m bpstrain.bench cluster --workers 4 --servers 0 1 2 4 --mixed   # mixed mode
     python -m bpstrain.bench hierarchical --size 64M   # flat vs hierarchical, 2x2 workers
     python -m bpstrain.bench scaling --workers 1 2 4 --sizes 4M 64M   # time vs n and size
+    python -m bpstrain.bench overhead              # per-op cost: raw binding, engine, torch
 
 Progress goes to stderr; the table is printed last on stdout.
 """
@@ -21,14 +22,16 @@ import argparse
 import json
 import sys
 
-from bpstrain.bench import _jobs, cluster, emulated, hierarchical, loopback, scaling
+from bpstrain.bench import _jobs, cluster, emulated, hierarchical, loopback, overhead, scaling
 from bpstrain.bench.bounds import parse_size
 from bpstrain.bench.table import format_table
 
-# Emulated-cluster benchmarks with their own module: add_arguments() and run_args().
-_MODULES = {"hierarchical": hierarchical, "scaling": scaling}
+# Benchmarks with their own module: add_arguments() and run_args().
+_MODULES = {"hierarchical": hierarchical, "scaling": scaling, "overhead": overhead}
 _HELP = {"hierarchical": "flat vs hierarchical push_pull, hosts x local ranks (root)",
-         "scaling": "bpstrain time vs workers and size on emulated hosts (root)"}
+         "scaling": "bpstrain time vs workers and size on emulated hosts (root)",
+         "overhead": "per-op cost of bpstrain.engine and bpstrain.torch over the raw binding"}
+_ON_LOOPBACK = ("loopback", "overhead")  # need no emulated hosts (no root)
 
 
 def _partition(text: str) -> int | None:
@@ -37,7 +40,7 @@ def _partition(text: str) -> int | None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (subcommands ``loopback``, the default, ``cluster``, and
-    the modules' ``hierarchical`` and ``scaling``)."""
+    the modules' ``hierarchical``, ``scaling`` and ``overhead``)."""
     parser = argparse.ArgumentParser(
         prog="python -m bpstrain.bench",
         description="bpstrain push_pull vs torch.distributed gloo all_reduce.")
@@ -79,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (lo, cl):
         p.add_argument("--no-gloo", dest="gloo", action="store_false",
                        help="skip the gloo baseline")
-    for p in (cl, *extra):
+    for p in (cl, *(e for e, name in zip(extra, _MODULES) if name not in _ON_LOOPBACK)):
         p.add_argument("--cleanup-stale", action="store_true",
                        help="first delete namespaces left by crashed runs")
     for p in (lo, cl, *extra):
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         argv.insert(0, "loopback")
     args = build_parser().parse_args(argv)
     try:
-        if args.command != "loopback":
+        if args.command not in _ON_LOOPBACK:
             ok, reason = emulated.available()
             if not ok:
                 print(f"bpstrain.bench {args.command}: {reason}.", file=sys.stderr)
