@@ -40,8 +40,8 @@ __all__ = sorted([*_LAZY, "barrier", "broadcast_variables", "callbacks", "init",
 
 
 def __getattr__(name):
-    # Lazy, so that bpstrain.tensorflow can use bpstrain.keras._group without importing
-    # keras (and, with KERAS_BACKEND=torch, torch).
+    # Lazy, so that importing bpstrain.keras imports neither keras nor (with
+    # KERAS_BACKEND=torch) torch until one of these is used.
     import importlib
 
     if name in _LAZY:

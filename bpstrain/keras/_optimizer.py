@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from bpstrain.keras import _group
+from bpstrain import _group
 
 
 _instances = itertools.count()
@@ -157,9 +157,9 @@ def _reduce(grads, keys, reducer: GradientReducer):
 def _reduce_in_tf_graph(grads, keys, reducer: GradientReducer):
     import tensorflow as tf
 
-    from bpstrain.tensorflow import _ops
+    from bpstrain.tensorflow import check_not_xla
 
-    _ops.check_not_xla()
+    check_not_xla()
     tensors = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices travel dense
 
     @tf.autograph.experimental.do_not_convert  # plain Python, run by numpy_function

@@ -13,8 +13,7 @@ from typing import Callable, Optional, Union
 
 import keras
 
-from bpstrain import engine
-from bpstrain.keras import _group
+from bpstrain import _group, engine
 
 
 def _variables_to_numpy(variables):

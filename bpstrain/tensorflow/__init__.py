@@ -38,12 +38,13 @@ op timeout.
 from bpstrain.engine import (barrier, init, is_initialized, local_rank, local_size, rank,
                              shutdown, size)
 from bpstrain.errors import BpsError, MismatchError, PeerError
-from bpstrain.tensorflow._ops import broadcast, push_pull
+from bpstrain.tensorflow._ops import broadcast, check_not_xla, push_pull
 from bpstrain.tensorflow._optim import (DistributedGradientTape, DistributedOptimizer,
                                         broadcast_variables)
 
 __all__ = [
     "BpsError", "DistributedGradientTape", "DistributedOptimizer", "MismatchError",
-    "PeerError", "barrier", "broadcast", "broadcast_variables", "init", "is_initialized",
+    "PeerError", "barrier", "broadcast", "broadcast_variables", "check_not_xla", "init",
+    "is_initialized",
     "local_rank", "local_size", "push_pull", "rank", "shutdown", "size",
 ]

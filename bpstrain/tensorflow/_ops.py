@@ -13,30 +13,25 @@ message starts with ``MismatchError: tensor '...' disagrees across ranks``.
 
 from __future__ import annotations
 
-import itertools
 from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
-from bpstrain import engine
-from bpstrain.keras import _group
-
-_noname = itertools.count()
-
+from bpstrain import _group, engine
 
 def tensor_name(kind: str, tensor, name: Optional[str]) -> str:
     """The engine name of ``tensor``: ``name``, or one every rank derives alike.
 
     Inside a ``tf.function`` the name comes from the function and the graph tensor
     (``tf.push_pull.train_step/dense/MatMul:0``), fixed at trace time. Eager tensors
-    have no name: they are numbered in call order, as in Horovod, so every rank must
-    issue its unnamed calls in the same order.
+    have no name: they are numbered in call order by :func:`bpstrain.engine.auto_name`,
+    as in Horovod, so every rank must issue its unnamed calls in the same order.
     """
     if name:
         return name
     graph_name = getattr(getattr(tensor, "graph", None), "name", None)
     if tf.executing_eagerly() or not graph_name:
-        return f"tf.{kind}.noname.{next(_noname)}"
+        return engine.auto_name(f"tf.{kind}")
     return f"tf.{kind}.{graph_name}/{tensor.name}"
 
 

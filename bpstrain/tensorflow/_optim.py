@@ -7,7 +7,7 @@ from typing import Iterable, List, Optional, Sequence
 
 import tensorflow as tf
 
-from bpstrain.keras import _group
+from bpstrain import _group
 from bpstrain.tensorflow import _ops
 
 
@@ -160,7 +160,7 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, average: bool = 
     if isinstance(optimizer, keras.optimizers.Optimizer):
         if not average:
             raise ValueError("Keras optimizers always average gradients. Received: average=False")
-        from bpstrain.keras._optimizer import DistributedOptimizer as keras_distributed
+        from bpstrain.keras import DistributedOptimizer as keras_distributed
 
         return keras_distributed(optimizer, name=name,
                                  backward_passes_per_step=backward_passes_per_step,

@@ -85,12 +85,3 @@ def test_reducer_rejects_bad_arguments(standalone_engine):
     reducer.step([np.zeros(2)], [0])
     with pytest.raises(ValueError, match="Received"):
         reducer.step([np.zeros(3)], [0])
-
-
-@pytest.mark.timeout(30)
-def test_group_keeps_scalar_shapes_and_unique_names(standalone_engine):
-    from bpstrain.keras import _group
-
-    out = _group.push_pull_group([np.float64(2.5), np.ones((2, 0))], ["s", "e"])
-    assert out[0].shape == () and out[0] == 2.5 and out[1].shape == (2, 0)
-    assert _group.unique_names(["a", "b", "a", "a"]) == ["a", "b", "a#1", "a#2"]

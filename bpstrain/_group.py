@@ -1,9 +1,10 @@
-"""Framework-neutral grouped operations on numpy arrays, shared by the TF and Keras adapters.
+"""Framework-neutral grouped operations on numpy arrays, shared by the adapters.
 
 A *group* is a list of arrays that are enqueued on the engine together, one after the
 other, and only then waited for: the engine moves them concurrently (in priority order)
-instead of one blocking round trip per tensor. Kept free of TensorFlow and Keras imports
-so that ``bpstrain.keras`` with the torch backend and ``bpstrain.tensorflow`` share it.
+instead of one blocking round trip per tensor. It lives next to :mod:`bpstrain.engine`
+and imports no framework, so ``bpstrain.tensorflow`` and ``bpstrain.keras`` (either
+backend) share it without importing each other.
 """
 
 from __future__ import annotations
