@@ -27,6 +27,7 @@ import numpy as np
 
 from bpstrain._core import Op
 from bpstrain.config.env import ClusterEnv, read_env
+from bpstrain.config.loader import comm_options
 from bpstrain.config.schema import CommConfig, hierarchical_mode
 from bpstrain.errors import BpsTimeoutError, ConfigError
 
@@ -77,42 +78,23 @@ _lock = threading.RLock()
 def resolve_options(config: Any = None, env: Optional[ClusterEnv] = None) -> Dict[str, Any]:
     """Merges defaults < environment (BPSTRAIN_*/BYTEPS_*) < ``config``.
 
+    One config path: the environment is read and checked by
+    :mod:`bpstrain.config.env`, ``config`` by :func:`bpstrain.config.comm_options`,
+    both against the bounds of the ``comm`` schema (the Trainer's own checks).
+
     Args:
-        config: None, a dict of comm options, a ``CommConfig`` dataclass, or an
-            OmegaConf ``DictConfig`` of the ``comm`` section.
+        config: None, a dict of comm options (``secret`` too), a ``CommConfig``
+            dataclass, or an OmegaConf ``DictConfig`` of the ``comm`` section.
         env: the parsed environment; read from ``os.environ`` when None.
 
     Raises:
-        ConfigError: an unknown option name (with the closest valid one).
+        ConfigError: an unknown option (with the closest valid one), a wrong type or
+            an out-of-range value.
     """
     env = env or read_env()
     options = dict(COMM_DEFAULTS)
     options.update(env.comm)
-    if config is None:
-        return options
-    if dataclasses.is_dataclass(config):
-        given = dataclasses.asdict(config)
-    elif hasattr(config, "items"):
-        try:
-            from omegaconf import DictConfig, OmegaConf
-
-            if isinstance(config, DictConfig):
-                config = OmegaConf.to_container(config, resolve=True)
-        except ImportError:
-            pass
-        given = dict(config)
-    else:
-        raise ConfigError(
-            f"init(config=...) takes a dict, CommConfig or DictConfig. Received: {type(config).__name__}"
-        )
-    for key, value in given.items():
-        if key not in COMM_DEFAULTS:
-            import difflib
-
-            close = difflib.get_close_matches(key, COMM_DEFAULTS, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown comm option {key!r}.{hint} Received: {key}={value!r}")
-        options[key] = value
+    options.update(comm_options(config))
     return options
 
 
@@ -121,9 +103,11 @@ def init(config: Any = None) -> None:
 
     Args:
         config: comm options (see :func:`resolve_options`); env vars fill the rest.
+            Checked exactly as the Trainer checks its config's ``comm`` section.
 
     Raises:
-        ConfigError: malformed environment or options.
+        ConfigError: malformed environment or options (an unknown key, a wrong type or
+            an out-of-range value; the message names it and what was received).
         BpsTimeoutError: the rendezvous did not complete in ``rendezvous_timeout``.
         KeyboardInterrupt: Ctrl-C during the rendezvous (nothing is left running).
     """
@@ -147,10 +131,6 @@ def _connect(state: _State) -> None:
     from bpstrain import _core
 
     env, o = state.env, state.options
-    hierarchical = hierarchical_mode(o["hierarchical"])
-    if not hierarchical:
-        raise ConfigError("comm.hierarchical must be one of auto, true, false. "
-                          f"Received: hierarchical={o['hierarchical']!r}")
     worker = _core.Worker(
         env.root_uri,
         env.root_port,
@@ -164,7 +144,7 @@ def _connect(state: _State) -> None:
         numa=str(o["numa"]),
         rendezvous_timeout=float(o["rendezvous_timeout"]),
         secret=str(o["secret"] or ""),
-        hierarchical=_HIERARCHICAL_CODES[hierarchical],
+        hierarchical=_HIERARCHICAL_CODES[hierarchical_mode(o["hierarchical"])],
         socket_send_buffer=int(o["socket_send_buffer"]),
         advertise_host=env.node_host,
         host_id=env.host_id,

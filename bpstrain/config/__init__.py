@@ -13,6 +13,7 @@ See :mod:`bpstrain.config.schema` for every key, its type and default, and
 from bpstrain.config.env import ClusterEnv, read_env
 from bpstrain.config.loader import (
     ConfigError,
+    comm_options,
     config_to_yaml,
     load_config,
     save_config,
@@ -38,6 +39,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "TrainerConfig",
+    "comm_options",
     "config_to_yaml",
     "load_config",
     "read_env",

@@ -2,7 +2,8 @@
 
 BytePS's variables keep their meaning (``DMLC_ROLE``, ``DMLC_NUM_WORKER``, ...); the
 ``BPSTRAIN_*`` variables are bpstrain's own knobs and mirror keys of the ``comm``
-config section.
+config section: which variable sets which key, and the bounds, come from the schema
+(:func:`bpstrain.config.schema.comm_knobs`), the same ones the config loader applies.
 
 BytePS's rank rules, exactly: ``DMLC_NUM_WORKER`` counts worker *hosts*, each running
 ``BYTEPS_LOCAL_SIZE`` processes, so the job has ``DMLC_NUM_WORKER * BYTEPS_LOCAL_SIZE``
@@ -16,6 +17,7 @@ import dataclasses
 import os
 from typing import Mapping, Optional
 
+from bpstrain.config import schema
 from bpstrain.errors import ConfigError
 
 ROLES = ("scheduler", "server", "worker")
@@ -88,22 +90,6 @@ def _int(environ, name, default=None, minimum=None, maximum=None):
     return value
 
 
-def _float(environ, name, minimum=0.0):
-    raw = _get(environ, name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = None
-    if value is None or value <= minimum:
-        raise ConfigError(
-            f"environment variable {name} must be a number > {minimum} (seconds). "
-            f"Received: {name}={raw!r}"
-        )
-    return value
-
-
 def _bool(environ, name):
     raw = _get(environ, name)
     if raw is None:
@@ -115,17 +101,47 @@ def _bool(environ, name):
     raise ConfigError(f"environment variable {name} must be 0/1/true/false. Received: {name}={raw!r}")
 
 
-def _choice(environ, name, choices):
-    """A choice among ``choices``; 0/1/yes/no/on/off read as false/true."""
-    raw = _get(environ, name)
-    if raw is None or raw == "":
-        return None
-    value = raw.lower()
-    value = "true" if value in _TRUE else "false" if value in _FALSE else value
-    if value not in choices:
-        raise ConfigError(f"environment variable {name} must be one of {', '.join(choices)}. "
-                          f"Received: {name}={raw!r}")
-    return value
+def _comm_value(name: str, raw: str, kind: type, knob: schema.Knob):
+    """The value of comm knob variable ``name``: parsed as ``kind``, checked by ``knob``."""
+    try:
+        if kind is bool:
+            if raw.lower() not in _TRUE + _FALSE:
+                raise ValueError(raw)
+            return raw.lower() in _TRUE
+        value = kind(raw)
+    except ValueError:
+        what = "0/1/true/false" if kind is bool else knob.describe()
+        raise ConfigError(f"environment variable {name} must be {what}. "
+                          f"Received: {name}={raw!r}") from None
+    try:
+        return knob.check(value)
+    except ValueError as err:
+        raise ConfigError(f"environment variable {name} must be {err}. "
+                          f"Received: {name}={raw!r}") from None
+
+
+def read_comm_env(environ: Optional[Mapping[str, str]] = None) -> dict:
+    """The ``comm`` options set in the environment, validated (unset ones are absent).
+
+    Every knob's variables come from the schema; the first one set wins (e.g.
+    ``BPSTRAIN_PARTITION_BYTES`` over BytePS's ``BYTEPS_PARTITION_BYTES``). The cluster
+    secret, ``BPSTRAIN_SECRET``, is returned as ``secret``.
+
+    Raises:
+        ConfigError: a variable is malformed or out of range; the message names it.
+    """
+    env = os.environ if environ is None else environ
+    options = {}
+    for key, (kind, knob) in schema.comm_knobs().items():
+        for name in knob.env:
+            raw = _get(env, name)
+            if raw:
+                options[key] = _comm_value(name, raw, kind, knob)
+                break
+    secret = _get(env, "BPSTRAIN_SECRET")
+    if secret:
+        options["secret"] = secret
+    return options
 
 
 def _interface_address(ifname: str) -> str:
@@ -193,22 +209,6 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
     interface = _get(env, "DMLC_INTERFACE")
     if not node_host and interface:
         node_host = _interface_address(interface)
-    comm = {
-        "partition_bytes": _int(env, "BPSTRAIN_PARTITION_BYTES", None, minimum=1)
-        or _int(env, "BYTEPS_PARTITION_BYTES", None, minimum=1),
-        "timeout": _float(env, "BPSTRAIN_TIMEOUT"),
-        "op_timeout": _float(env, "BPSTRAIN_OP_TIMEOUT"),
-        "rendezvous_timeout": _float(env, "BPSTRAIN_RENDEZVOUS_TIMEOUT"),
-        "priority": _bool(env, "BPSTRAIN_PRIORITY"),
-        "hierarchical": _choice(env, "BPSTRAIN_HIERARCHICAL", ("auto", "true", "false")),
-        "credit_bytes": _int(env, "BPSTRAIN_CREDIT_BYTES", None, minimum=0),
-        "connections_per_server": _int(env, "BPSTRAIN_CONNECTIONS_PER_SERVER", None, 1, 64),
-        "socket_send_buffer": _int(env, "BPSTRAIN_SOCKET_SEND_BUFFER", None, minimum=-1),
-        "engine_threads": _int(env, "BPSTRAIN_ENGINE_THREADS", None, 1, 256)
-        or _int(env, "BYTEPS_SERVER_ENGINE_THREAD", None, 1, 256),
-        "numa": _get(env, "BPSTRAIN_NUMA"),
-        "secret": _get(env, "BPSTRAIN_SECRET"),
-    }
     mixed = _bool(env, "BYTEPS_ENABLE_MIXED_MODE")
     return ClusterEnv(
         role=role,
@@ -225,5 +225,5 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
         host_id=_get(env, "BPSTRAIN_HOST_ID") or "",
         mixed_mode=mixed is not False,
         force_distributed=bool(_bool(env, "BYTEPS_FORCE_DISTRIBUTED")),
-        comm={k: v for k, v in comm.items() if v is not None},
+        comm=read_comm_env(env),
     )

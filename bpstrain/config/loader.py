@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 import typing
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
@@ -25,13 +24,13 @@ from bpstrain.config import schema
 from bpstrain.config.schema import CommConfig, Config
 from bpstrain.errors import ConfigError  # one class for every config error
 
-__all__ = ["ConfigError", "config_to_yaml", "load_config", "save_config", "to_comm_config"]
+__all__ = ["ConfigError", "comm_options", "config_to_yaml", "load_config", "save_config",
+           "to_comm_config"]
 
 
 ConfigLike = Union[Config, DictConfig, Mapping[str, Any], str, os.PathLike, None]
 Overrides = Union[Iterable[str], Mapping[str, Any]]
 
-_NUMA_RE = re.compile(r"^(auto|off|node:\d+|cpus:\d+(-\d+)?(,\d+(-\d+)?)*)$")
 _SECTIONS = {tp: name for name, tp in typing.get_type_hints(Config).items()}
 
 
@@ -212,6 +211,8 @@ def _check_keys(user: dict, cls: type, prefix: str = "") -> None:
     hints = _hints(cls)
     for key in list(user):
         full = f"{prefix}{key}"
+        if full in schema.NOT_AVAILABLE:
+            raise ConfigError(f"{schema.NOT_AVAILABLE[full]}. Received: {full}={user[key]!r}")
         if key not in hints:
             raise _unknown_key(full, list(hints), user[key])
         tp, value = hints[key], user[key]
@@ -225,6 +226,8 @@ def _check_keys(user: dict, cls: type, prefix: str = "") -> None:
         elif inner is str and isinstance(value, bool):
             if full == "comm.numa":  # `numa: off` in YAML; false means off too
                 user[key] = "auto" if value else "off"
+            elif full == "comm.hierarchical":  # `hierarchical: true` in YAML
+                user[key] = "true" if value else "false"
             else:
                 raise ConfigError(
                     f"Config key '{full}' expects a string; unquoted YAML words like "
@@ -292,9 +295,8 @@ def _validate(cfg: Config) -> None:
     if not 0.0 <= d.val_fraction < 1.0:
         raise _fail("data.val_fraction", "in [0, 1)", d.val_fraction)
 
-    if cfg.model.name is not None:
-        from bpstrain.models import list_models  # torch-free registry
-        _choice("model.name", cfg.model.name, list_models())
+    # model.name is checked where models are known (bpstrain.models, the recipes):
+    # the config layer knows no models.
 
     _choice("optimizer.name", o.name, schema.OPTIMIZERS)
     _choice("optimizer.schedule", o.schedule, schema.LR_SCHEDULES)
@@ -325,21 +327,12 @@ def _validate(cfg: Config) -> None:
         raise _fail("cluster.secret", "a non-empty string or null", c.secret)
     _choice("cluster.start_method", c.start_method, schema.START_METHODS)
 
-    if m.partition_bytes is None or m.partition_bytes != 0 and m.partition_bytes < 8:
-        raise _fail("comm.partition_bytes", ">= 8 (one float64), or 0 to let the engine choose",
-                    m.partition_bytes)
-    if not schema.hierarchical_mode(m.hierarchical):
-        raise _fail("comm.hierarchical", "one of auto, true, false", m.hierarchical)
-    _at_least("comm.credit_bytes", m.credit_bytes, 0)
-    _at_least("comm.connections_per_server", m.connections_per_server, 1)
-    _at_least("comm.socket_send_buffer", m.socket_send_buffer, -1)
-    _at_least("comm.engine_threads", m.engine_threads, 1)
-    if not m.timeout > 0:
-        raise _fail("comm.timeout", "> 0 seconds", m.timeout)
-    if not _NUMA_RE.match(m.numa):
-        raise _fail("comm.numa", "'auto', 'off', 'node:N' or 'cpus:LIST' (e.g. 'cpus:0-3,8')",
-                    m.numa)
-    _choice("comm.compression", m.compression, schema.COMPRESSIONS)
+    for key, (_, knob) in schema.comm_knobs().items():  # the bounds env.py applies too
+        value = getattr(m, key)
+        try:
+            knob.check(value)
+        except ValueError as err:
+            raise _fail(f"comm.{key}", str(err), value) from None
 
 
 # ------------------------------------------------------------------------- public
@@ -410,3 +403,36 @@ def to_comm_config(cfg: ConfigLike = None) -> CommConfig:
             str(k).split(".")[0] in _SECTIONS.values() for k in cfg):
         cfg = {"comm": cfg}
     return OmegaConf.to_object(load_config(cfg).comm)
+
+
+def comm_options(given: Any = None) -> dict:
+    """Validates comm options given to :func:`bpstrain.engine.init`; returns the given keys.
+
+    The same checks as a whole config's ``comm`` section (unknown keys with the closest
+    one suggested, types, bounds), so ``engine.init(config)`` fails exactly as the
+    Trainer does. Keys not given are left out: the environment fills them.
+
+    Args:
+        given: None, a mapping of comm keys (``{"partition_bytes": 1024}``; ``secret``
+            too), a :class:`CommConfig` (every key counts as given) or a ``DictConfig``
+            of the ``comm`` section.
+
+    Raises:
+        ConfigError: a key is unknown, a value has the wrong type or is out of range.
+    """
+    if given is None:
+        return {}
+    if isinstance(given, CommConfig):
+        given = dataclasses.asdict(given)
+    elif isinstance(given, DictConfig):
+        given = OmegaConf.to_container(given, resolve=True)
+    elif not isinstance(given, Mapping):
+        raise ConfigError("init(config=...) takes a dict, CommConfig or DictConfig of comm "
+                          f"options. Received: {type(given).__name__}")
+    given = dict(given)
+    secret = given.pop("secret", None)
+    comm, knobs = load_config({"comm": given}).comm, schema.comm_knobs()
+    options = {key: knobs[key][1].check(comm[key]) for key in given}  # choices normalized
+    if secret:
+        options["secret"] = str(secret)
+    return options

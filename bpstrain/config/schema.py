@@ -16,8 +16,10 @@ The field comments below are the reference documentation of each key.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 # Names the Trainer understands; the loader validates against these so that a typo
 # fails when the config is loaded, not minutes later in a child process.
@@ -25,10 +27,20 @@ LOSSES = ("cross_entropy", "nll", "mse", "l1", "smooth_l1", "bce_with_logits")
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad")
 LR_SCHEDULES = ("constant", "cosine", "step")
 DATASETS = ("synthetic", "digits", "image_folder")
-COMPRESSIONS = ("none", "fp16")
 START_METHODS = ("auto", "spawn", "forkserver", "fork")
 DEVICES = ("auto", "cpu", "cuda")
 HIERARCHICAL = ("auto", "true", "false")
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
+
+# Keys that were announced but do nothing yet: setting one is an error that says so,
+# rather than a silently ignored value.
+NOT_AVAILABLE = {
+    "comm.compression": (
+        "comm.compression is not available yet (the compression work has not landed); "
+        "for fp16 gradients pass compression=bpstrain.torch.Compression.fp16 to "
+        "bpstrain.torch.DistributedOptimizer, and remove the key from the config"),
+}
 
 
 def hierarchical_mode(value: Any) -> str:
@@ -38,11 +50,77 @@ def hierarchical_mode(value: Any) -> str:
         One of :data:`HIERARCHICAL`, or ``""`` when ``value`` is none of them.
     """
     text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
+    if text in _TRUE_WORDS:
         return "true"
-    if text in ("0", "false", "no", "off"):
+    if text in _FALSE_WORDS:
         return "false"
     return text if text == "auto" else ""
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A comm option's constraint, environment variables and documentation, in one place.
+
+    The environment reader (:mod:`bpstrain.config.env`), the config loader and
+    :func:`bpstrain.engine.init` all check values with :meth:`check`; the C++ engine
+    checks the same bounds again as a last line.
+
+    Attributes:
+        doc: What the option does (the reference documentation of the key).
+        env: Environment variables that set it, the first one set wins.
+        min, max: Inclusive bounds of a number.
+        above: Exclusive lower bound of a number (timeouts).
+        choices: Allowed words (``comm.hierarchical`` also reads yes/no/1/0/on/off).
+        pattern: Regular expression a string must match; ``expected`` describes it.
+    """
+
+    doc: str
+    env: Tuple[str, ...] = ()
+    min: Optional[float] = None
+    max: Optional[float] = None
+    above: Optional[float] = None
+    choices: Tuple[str, ...] = ()
+    pattern: Optional[str] = None
+    expected: str = ""
+
+    def describe(self) -> str:
+        """What a valid value looks like, e.g. ``an integer in [1, 64]``."""
+        if self.expected:
+            return self.expected
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        if self.above is not None:
+            return f"a number > {self.above:g}"
+        if self.min is not None and self.max is not None:
+            return f"an integer in [{self.min:g}, {self.max:g}]"
+        if self.min is not None:
+            return f"an integer >= {self.min:g}"
+        return "a value of the key's type"
+
+    def check(self, value: Any) -> Any:
+        """Returns ``value`` (choices normalized) or raises ValueError with :meth:`describe`."""
+        if self.choices:
+            word = hierarchical_mode(value) if self.choices == HIERARCHICAL else str(value)
+            if word not in self.choices:
+                raise ValueError(self.describe())
+            return word
+        if self.pattern is not None:
+            if not isinstance(value, str) or not re.fullmatch(self.pattern, value):
+                raise ValueError(self.describe())
+            return value
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if self.min is not None or self.max is not None or self.above is not None:
+            if not number or (self.min is not None and value < self.min) or (
+                    self.max is not None and value > self.max) or (
+                    self.above is not None and not value > self.above):
+                raise ValueError(self.describe())
+        return value
+
+
+def knob(default: Any, doc: str, env: Any = (), **constraint: Any) -> Any:
+    """A dataclass field whose metadata carries its :class:`Knob`."""
+    names = (env,) if isinstance(env, str) else tuple(env)
+    return field(default=default, metadata={"knob": Knob(doc, names, **constraint)})
 
 
 @dataclass
@@ -128,26 +206,55 @@ class ClusterConfig:
 
 @dataclass
 class CommConfig:
-    """Knobs of the push_pull engine (``comm.*``); consumed by ``bpstrain.engine.init``."""
+    """Knobs of the push_pull engine (``comm.*``); consumed by ``bpstrain.engine.init``.
 
-    # Largest piece a tensor is split into; 0 = auto: the engine sizes partitions from the
-    # link it measures at rendezvous (about 4 ms of link time, 64 KiB to 4 MiB).
-    partition_bytes: int = 0
-    priority: bool = True  # priority scheduling (front layers first) on/off
-    credit_bytes: int = 0  # bytes in flight per worker; 0 = auto
-    numa: str = "auto"  # "auto" | "off" | "node:N" | "cpus:0-3,8"
-    connections_per_server: int = 1  # more only when one TCP stream cannot fill the link
-    # SO_SNDBUF of worker data sockets: -1 = auto (about 2.5 ms of the measured link,
-    # 16-128 KiB), 0 = kernel autotuning, > 0 = that many bytes.
-    socket_send_buffer: int = -1
-    engine_threads: int = 2  # server summation threads
-    timeout: float = 30.0  # seconds without a heartbeat before a peer counts as dead
-    op_timeout: float = 300.0  # seconds a synchronize()/barrier waits before raising
-    rendezvous_timeout: float = 120.0  # seconds for every node to join the job
-    compression: str = "none"  # "none" | "fp16"
-    # Reduce inside a host (shared memory) before talking to servers: auto = when several
-    # workers share a host; true; false.
-    hierarchical: str = "auto"
+    Each field's :class:`Knob` (``dataclasses.fields(CommConfig)[i].metadata["knob"]``,
+    or :func:`comm_knobs`) is its documentation, its bounds and its environment
+    variables.
+    """
+
+    partition_bytes: int = knob(
+        0, "Largest piece a tensor is split into; 0 = auto: the engine sizes partitions "
+        "from the link it measures at rendezvous (about 4 ms of link time, 64 KiB to 4 MiB).",
+        ("BPSTRAIN_PARTITION_BYTES", "BYTEPS_PARTITION_BYTES"), min=0,
+        expected="an integer >= 0 (0 = the engine chooses)")
+    priority: bool = knob(True, "Priority scheduling (front layers first) on/off.",
+                          "BPSTRAIN_PRIORITY")
+    credit_bytes: int = knob(0, "Bytes in flight per worker; 0 = auto.",
+                             "BPSTRAIN_CREDIT_BYTES", min=0,
+                             expected="an integer >= 0 (0 = auto)")
+    numa: str = knob(
+        "auto", "Where engine threads run: auto | off | node:N | cpus:0-3,8.", "BPSTRAIN_NUMA",
+        pattern=r"auto|off|node:\d+|cpus:\d+(-\d+)?(,\d+(-\d+)?)*",
+        expected="'auto', 'off', 'node:N' or 'cpus:LIST' (e.g. 'cpus:0-3,8')")
+    connections_per_server: int = knob(
+        1, "TCP connections from a worker to each server; more only when one stream cannot "
+        "fill the link.", "BPSTRAIN_CONNECTIONS_PER_SERVER", min=1, max=64)
+    socket_send_buffer: int = knob(
+        -1, "SO_SNDBUF of worker data sockets: -1 = auto (about 2.5 ms of the measured link, "
+        "16-128 KiB), 0 = kernel autotuning, > 0 = that many bytes.",
+        "BPSTRAIN_SOCKET_SEND_BUFFER", min=-1, expected="an integer >= -1 (-1 auto, 0 kernel)")
+    engine_threads: int = knob(2, "Summation threads of each server.",
+                               ("BPSTRAIN_ENGINE_THREADS", "BYTEPS_SERVER_ENGINE_THREAD"),
+                               min=1, max=256)
+    timeout: float = knob(30.0, "Seconds without a heartbeat before a peer counts as dead.",
+                          "BPSTRAIN_TIMEOUT", above=0, expected="a number > 0 (seconds)")
+    op_timeout: float = knob(300.0, "Seconds a synchronize()/barrier waits before raising.",
+                             "BPSTRAIN_OP_TIMEOUT", above=0, expected="a number > 0 (seconds)")
+    rendezvous_timeout: float = knob(120.0, "Seconds for every node to join the job.",
+                                     "BPSTRAIN_RENDEZVOUS_TIMEOUT", above=0,
+                                     expected="a number > 0 (seconds)")
+    hierarchical: str = knob(
+        "auto", "Reduce inside a host (shared memory) before talking to servers: auto = "
+        "when several workers share a host; true; false.", "BPSTRAIN_HIERARCHICAL",
+        choices=HIERARCHICAL)
+
+
+def comm_knobs() -> Dict[str, Tuple[type, Knob]]:
+    """``{comm key: (its Python type, its Knob)}`` for every field of :class:`CommConfig`."""
+    types = {"int": int, "float": float, "bool": bool, "str": str}
+    return {f.name: (types[f.type] if isinstance(f.type, str) else f.type, f.metadata["knob"])
+            for f in dataclasses.fields(CommConfig)}
 
 
 @dataclass

@@ -8,8 +8,9 @@ Models are built by name from a registry, so recipes can say ``model.name: resne
     True
 
 Importing this package does not import torch: the registry stores
-``"module:function"`` paths and the config loader validates ``model.name`` against
-it. Torch is imported when a model or dataset is built.
+``"module:function"`` paths, and recipes validate ``model.name`` against it
+(:func:`check_model_name`) when they are loaded. Torch is imported when a model or
+dataset is built.
 
 Registered: resnet50/101/152 and vgg16/vgg16_bn (torchvision's exact layers and
 ``state_dict`` keys), digits_mlp and digits_cnn (tiny, for sklearn's 8x8 digits).
@@ -67,13 +68,19 @@ def register_model(name: str, factory: Optional[Callable[..., Any]] = None):
     return decorate(factory) if factory is not None else decorate
 
 
-def _factory(name: str) -> Callable[..., Any]:
+def check_model_name(name: str, key: str = "name") -> None:
+    """Raises ConfigError unless ``name`` is registered; ``key`` is how the message names it
+    (``model.name`` for a config: the config layer itself knows no models)."""
     if name not in _REGISTRY:
         close = difflib.get_close_matches(str(name), list(_REGISTRY), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(
             f"Unknown model.{hint} Expected one of: {', '.join(list_models())}. "
-            f"Received: name={name!r}")
+            f"Received: {key}={name!r}")
+
+
+def _factory(name: str) -> Callable[..., Any]:
+    check_model_name(name)
     target = _REGISTRY[name]
     if isinstance(target, str):
         module, attr = target.split(":")
@@ -120,4 +127,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["build_model", "get_model", "list_models", "register_model", *_LAZY]
+__all__ = ["build_model", "check_model_name", "get_model", "list_models", "register_model",
+           *_LAZY]

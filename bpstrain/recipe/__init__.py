@@ -130,10 +130,15 @@ def load_recipe(name: Union[str, os.PathLike],
     except (OmegaConfBaseException, yaml.YAMLError) as err:
         raise ConfigError(f"Recipe {str(name)!r} is not valid YAML: {err}. "
                           f"Received: recipe={str(name)!r}") from None
+    from bpstrain.models import check_model_name  # torch-free registry
+
     try:
-        return load_config(data, list(overrides))
+        cfg = load_config(data, list(overrides))
+        if cfg.model.name is not None:
+            check_model_name(cfg.model.name, "model.name")
     except ConfigError as err:
         raise type(err)(f"Recipe {str(name)!r}: {err}") from None
+    return cfg
 
 
 def run(name: Union[str, os.PathLike], overrides: Iterable[str] = ()) -> Optional[Any]:

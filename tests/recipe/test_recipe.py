@@ -70,6 +70,12 @@ def test_unknown_recipe_lists_the_available_ones():
     assert isinstance(info.value, ConfigError)
 
 
+def test_a_misspelt_model_name_fails_when_the_recipe_loads():
+    # Checked by the recipe layer against bpstrain.models: the config layer knows no models.
+    with pytest.raises(ConfigError, match=r"Did you mean 'resnet50'.*Received: model.name='resnet5'"):
+        load_recipe("resnet50", ["model.name=resnet5"])
+
+
 def test_checkout_recipes_come_first_in_a_source_tree():
     # An editable install's package data is a build-time snapshot; the checkout is live.
     assert Path(str(recipe._search_dirs()[0])) == REPO / "recipes"
