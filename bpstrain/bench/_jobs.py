@@ -3,7 +3,9 @@
 A job is a set of processes on ``Hosts``. Workers print a ``BENCH_RESULT``
 line; scheduler and servers exit by themselves once every worker has shut
 down. If any process fails or the deadline passes, every process of the job
-is killed and ``BenchError`` carries the tail of each failed process's stderr.
+(and its process group) is stopped by the launcher's teardown
+(:func:`bpstrain.launch._procs.stop_children`) and ``BenchError`` carries the tail of
+each failed process's stderr.
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 
 from bpstrain.bench import _report, _teardown
 from bpstrain.bench._hosts import Hosts
+from bpstrain.launch._procs import Watched, stop_children
 
 # The package root, so children import this very bpstrain even when it is not installed.
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _ROLE_GRACE_S = 30.0
+_KILL_GRACE_S = 3.0  # SIGTERM to SIGKILL when a failed job is torn down
 
 
 class BenchError(RuntimeError):
@@ -152,7 +155,7 @@ class Job:
 
     def __init__(self, hosts: Hosts) -> None:
         self._hosts = hosts
-        self._procs: dict[str, subprocess.Popen] = {}
+        self._procs: dict[str, Watched] = {}
         self._files: dict[str, tuple] = {}
         self._workers: list[str] = []
         self._exits: queue.Queue = queue.Queue()
@@ -172,11 +175,11 @@ class Job:
         except BaseException:
             self.kill()
             raise
-        self._procs[name] = proc
         if worker:
             self._workers.append(name)
-        threading.Thread(target=lambda: self._exits.put((name, proc.wait())),
-                         daemon=True).start()
+        # Hosts start every process in its own session: its group is what teardown stops.
+        self._procs[name] = Watched(name, proc,
+                                    lambda w: self._exits.put((w.label, w.proc.returncode)))
 
     def collect(self, timeout_s: float) -> list[dict]:
         """Waits for every process; returns the workers' payloads in start order."""
@@ -201,7 +204,7 @@ class Job:
             try:
                 name, rc = self._exits.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                late = sorted(n for n, p in self._procs.items() if p.poll() is None)
+                late = sorted(n for n, p in self._procs.items() if p.running())
                 self._dump_stacks(late)
                 raise BenchError(f"Benchmark job did not finish within {timeout_s:.0f} s. "
                                  f"Received: still running {late}{self._tails(late)}")
@@ -218,24 +221,13 @@ class Job:
         # any other process the default action ends it, which kill() would anyway.
         for name in names:
             if name in self._workers:
-                self._procs[name].send_signal(signal.SIGUSR1)
+                self._procs[name].proc.send_signal(signal.SIGUSR1)
         for name in names:
-            try:
-                self._procs[name].wait(timeout=1.0)  # time to write the dump
-            except subprocess.TimeoutExpired:
-                pass
+            self._procs[name].wait(1.0)  # time to write the dump
 
     def kill(self) -> None:
-        """Terminates (then kills) every still-running process of the job."""
-        for proc in self._procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self._procs.values():
-            try:
-                proc.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """Stops every still-running process of the job and its group (SIGTERM, SIGKILL)."""
+        stop_children(list(self._procs.values()), _KILL_GRACE_S)
 
     close = kill  # the name _teardown calls
 

@@ -1,8 +1,10 @@
 """Child processes with prefixed output, group teardown and a supervisor loop.
 
-Every child runs in its own session (``start_new_session=True``), so its process
-group id equals its pid and signalling the group also reaches grandchildren
-(e.g. a data-loader pool or a shell pipeline started by the user's command).
+Every child runs in its own session (``start_new_session=True``, or ``setsid()`` of
+its own), so its process group id equals its pid and signalling the group also
+reaches grandchildren (e.g. a data-loader pool or a shell pipeline started by the
+user's command). This is the project's one process supervision: the benchmarks'
+jobs and the Trainer's local cluster stop their processes with :func:`stop_children`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,103 @@ def log(message: str) -> None:
         sys.stderr.flush()
 
 
-class Child:
+class ProcessGroup:
+    """A direct child that leads its own process group (its pid is the group id).
+
+    The one teardown of the project (:func:`stop_children`) works on these: the
+    launcher's :class:`Child`, the benchmarks' :class:`Watched` processes and the
+    Trainer's ``multiprocessing`` workers. A subclass says whether the child is still
+    running and how to wait for it.
+
+    Args:
+        label: Name used in messages, e.g. ``"worker 1"``.
+        pid: The child's pid (= its process group id once it leads its session).
+    """
+
+    def __init__(self, label: str, pid: int):
+        self.label, self.pid = label, pid
+
+    def running(self) -> bool:
+        """True until the direct child has exited (and was reaped)."""
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None) -> bool:
+        """Waits up to ``timeout`` seconds for the direct child; True once it exited."""
+        raise NotImplementedError
+
+    def signal_group(self, sig: int) -> bool:
+        """Sends ``sig`` to the child's process group.
+
+        A child that starts its own session late (a ``multiprocessing`` worker calls
+        ``setsid()`` itself) gets the signal directly until then.
+
+        Returns:
+            False when no process of the group is left.
+        """
+        try:
+            os.killpg(self.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            # No such group (yet), or the id was taken over by an unrelated process.
+            pass
+        if not self.running():
+            return False
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def group_alive(self) -> bool:
+        """True while the child or any process left in its group is alive."""
+        if self.running():
+            return True
+        return self.signal_group(0) and _group_has_live_member(self.pid)
+
+    def join_output(self, timeout: float = 2.0) -> None:
+        """Waits until what the group printed has been handled (nothing to do here)."""
+
+
+class Watched(ProcessGroup):
+    """A ``subprocess.Popen`` started in its own session, reaped by a waiter thread.
+
+    Args:
+        label: Name used in messages.
+        proc: The process; it must have been started with ``start_new_session=True``.
+        on_exit: Called from the waiter thread once the process has exited.
+    """
+
+    def __init__(self, label: str, proc: subprocess.Popen,
+                 on_exit: Callable[["Watched"], None] | None = None):
+        super().__init__(label, proc.pid)
+        self.proc = proc
+        self._on_exit = on_exit
+        self.exited = threading.Event()
+        self._waiter = threading.Thread(target=self._wait, daemon=True,
+                                        name=f"bpstrain-wait-{label}")
+        self._waiter.start()
+
+    @property
+    def returncode(self) -> int | None:
+        """The ``Popen`` return code once the waiter has reaped it, else ``None``."""
+        return self.proc.returncode if self.exited.is_set() else None
+
+    def running(self) -> bool:
+        """True until the waiter has reaped the process."""
+        return not self.exited.is_set()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Waits for the waiter to reap the process; True once it has."""
+        return self.exited.wait(timeout)
+
+    def _wait(self) -> None:
+        self.proc.wait()
+        self.exited.set()
+        if self._on_exit is not None:
+            self._on_exit(self)
+
+
+class Child(Watched):
     """One process in its own session whose output is relayed line by line.
 
     stdout and stderr are merged into one pipe; a reader thread prefixes every
@@ -72,26 +170,16 @@ class Child:
     def __init__(self, label: str, cmd: Sequence[str], env: Mapping[str, str],
                  on_exit: Callable[["Child"], None] | None = None,
                  output: TextIO | None = None):
-        self.label = label
         self.cmd = list(cmd)
         self._output = output
-        self._on_exit = on_exit
-        self.exited = threading.Event()
-        self.proc = subprocess.Popen(
+        proc = subprocess.Popen(
             self.cmd, env=dict(env), stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        self.pid = self.proc.pid
         self._reader = threading.Thread(target=self._relay, daemon=True,
                                         name=f"bpstrain-relay-{label}")
-        self._waiter = threading.Thread(target=self._wait, daemon=True,
-                                        name=f"bpstrain-wait-{label}")
+        self.label, self.proc = label, proc  # the relay needs them before the waiter runs
         self._reader.start()
-        self._waiter.start()
-
-    @property
-    def returncode(self) -> int | None:
-        """The ``Popen`` return code once the waiter has reaped it, else ``None``."""
-        return self.proc.returncode if self.exited.is_set() else None
+        super().__init__(label, proc, on_exit)
 
     def _relay(self) -> None:
         prefix = f"[{self.label}] "
@@ -108,33 +196,6 @@ class Child:
                         out.flush()
                     except (OSError, ValueError):
                         pass  # Our stdout is gone (closed pipe); keep draining the child.
-
-    def _wait(self) -> None:
-        self.proc.wait()
-        self.exited.set()
-        if self._on_exit is not None:
-            self._on_exit(self)
-
-    def signal_group(self, sig: int) -> bool:
-        """Sends ``sig`` to the child's process group.
-
-        Returns:
-            False when no process of the group is left.
-        """
-        try:
-            os.killpg(self.pid, sig)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            # The group id was taken over by an unrelated process; ours is gone.
-            return False
-        return True
-
-    def group_alive(self) -> bool:
-        """True while the child or any process left in its group is alive."""
-        if not self.exited.is_set():
-            return True
-        return self.signal_group(0) and _group_has_live_member(self.pid)
 
     def join_output(self, timeout: float = 2.0) -> None:
         """Waits until the relay has written everything the group printed."""
@@ -164,7 +225,7 @@ def _group_has_live_member(pgid: int) -> bool:
     return False
 
 
-def stop_children(children: Sequence[Child], grace: float = DEFAULT_GRACE) -> None:
+def stop_children(children: Sequence[ProcessGroup], grace: float = DEFAULT_GRACE) -> None:
     """Stops every child and its group: SIGTERM, then SIGKILL after ``grace`` s.
 
     Returns once the direct children are reaped and their groups are empty (or
@@ -184,10 +245,10 @@ def stop_children(children: Sequence[Child], grace: float = DEFAULT_GRACE) -> No
             child.join_output(1.0)
 
 
-def _wait_groups(children: Sequence[Child], deadline: float) -> None:
+def _wait_groups(children: Sequence[ProcessGroup], deadline: float) -> None:
     """Waits until every child and its process group are gone, or ``deadline``."""
     for child in children:
-        child.exited.wait(max(0.0, deadline - time.monotonic()))
+        child.wait(max(0.0, deadline - time.monotonic()))
     # Grandchildren were re-parented to init, so we cannot wait on them; group
     # emptiness can only be polled.
     while time.monotonic() < deadline and any(c.group_alive() for c in children):

@@ -19,7 +19,6 @@ import os
 import pickle
 import queue as queue_mod
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -29,6 +28,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import OmegaConf
 
 from bpstrain.errors import BpsError, BpsTimeoutError, PeerError, ShutdownError
+from bpstrain.launch._procs import ProcessGroup
 from bpstrain.trainer.history import History
 
 _CLUSTER_VARS = ("DMLC_", "BYTEPS_", "BPSTRAIN_")
@@ -87,6 +87,7 @@ class LocalClusterLauncher:
     def __init__(self, trainer):
         self.trainer = trainer
         self.procs: List[Any] = []
+        self._closed: set = set()  # ids of closed Process objects (stop() is idempotent)
         self.services = None
 
     def _payload(self, model: Any, data: Any, val_data: Any, folder: str) -> str:
@@ -240,35 +241,38 @@ class LocalClusterLauncher:
         return None
 
     def stop(self) -> None:
-        """Stops every worker (and its process group) and the services; idempotent."""
-        from bpstrain.launch._procs import shield_signals
+        """Stops every worker (and its process group) and the services; idempotent.
 
-        with shield_signals():  # a second Ctrl-C must not leave children behind
-            alive = [p for p in self.procs if p.is_alive()]
-            for proc in alive:
-                _signal_group(proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + _GRACE_S
-            for proc in alive:
-                proc.join(max(0.0, deadline - time.monotonic()))
-                if proc.is_alive():
-                    _signal_group(proc.pid, signal.SIGKILL)
-                    proc.join(5.0)
-            for proc in self.procs:
-                proc.join(0)
-                if proc.exitcode is not None:
-                    proc.close()  # releases its sentinel fd now, not at garbage collection
-            if self.services is not None:
-                self.services.stop()
+        The launcher's teardown (SIGTERM, then SIGKILL after a grace period, a second
+        Ctrl-C ignored meanwhile) stops workers and services together.
+        """
+        from bpstrain.launch._procs import stop_children
+
+        live = [(rank, p) for rank, p in enumerate(self.procs) if id(p) not in self._closed]
+        services = self.services.children if self.services is not None else []
+        stop_children([*(_WorkerProcess(rank, p) for rank, p in live), *services], _GRACE_S)
+        for _, proc in live:
+            if proc.exitcode is not None:
+                proc.close()  # releases its sentinel fd now, not at garbage collection
+                self._closed.add(id(proc))
+        if self.services is not None:
+            self.services.stop()  # forgets its atexit hook; everything is gone already
 
 
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)  # the worker called setsid(): group id == pid
-    except (ProcessLookupError, PermissionError):
-        try:  # it had not reached setsid() yet
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+class _WorkerProcess(ProcessGroup):
+    """A ``multiprocessing`` worker as the launcher's teardown sees it (it calls
+    ``setsid()`` itself at start, so until then it is signalled directly)."""
+
+    def __init__(self, rank: int, proc):
+        super().__init__(f"worker {rank}", proc.pid)
+        self.proc = proc
+
+    def running(self) -> bool:
+        return self.proc.exitcode is None
+
+    def wait(self, timeout) -> bool:
+        self.proc.join(timeout)
+        return self.proc.exitcode is not None
 
 
 def _rebuild(rank: int, type_name: str, message: str, tb_text: str,
