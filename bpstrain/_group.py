@@ -60,6 +60,15 @@ def broadcast_group(
     ])
 
 
+def average(array: np.ndarray, count: int) -> np.ndarray:
+    """``array / count`` in the array's own dtype, as the engine's ``Op.AVERAGE`` divides:
+    floating arrays exactly, integer arrays with floor division (documented semantics)."""
+    array = np.asarray(array)
+    if np.issubdtype(array.dtype, np.integer):
+        return np.floor_divide(array, count)
+    return np.divide(array, count).astype(array.dtype, copy=False)
+
+
 def unique_names(names: Sequence[str]) -> List[str]:
     """Appends ``#k`` to repeated names so one group never uses a name twice.
 

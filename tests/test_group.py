@@ -1,21 +1,9 @@
 """bpstrain._group, the framework-neutral group code of the TF and Keras adapters."""
 
-import os
-
 import numpy as np
 import pytest
 
 from bpstrain import _group, engine
-
-
-@pytest.fixture
-def standalone_engine(monkeypatch):
-    for name in [n for n in os.environ if n.startswith(("DMLC_", "BYTEPS_"))]:
-        monkeypatch.delenv(name)
-    engine.shutdown()
-    engine.init()
-    yield engine
-    engine.shutdown()
 
 
 @pytest.mark.timeout(30)
@@ -30,6 +18,12 @@ def test_group_waits_for_every_started_handle_then_raises(standalone_engine):
     with pytest.raises(ValueError, match="unsupported dtype"):
         _group.broadcast_group([np.ones(2), np.ones(2, np.complex64)], ["a", "b"], root_rank=0)
     assert not engine._require().ops  # the first array's handle was synchronized
+
+
+def test_average_divides_like_the_engine():
+    assert _group.average(np.array([-3, 7], np.int32), 2).tolist() == [-2, 3]  # floor
+    out = _group.average(np.array([1.0, 3.0], np.float16), 2)
+    assert out.dtype == np.float16 and out.tolist() == [0.5, 1.5]
 
 
 def test_group_code_imports_no_framework():

@@ -35,7 +35,7 @@ class OverheadPlan:
     workers: int = 2
     servers: int = 1
     ops: int = 2000
-    blocks: int = 7
+    blocks: int = 11
     warmup: int = 200
     hierarchical: str = "auto"  # comm.hierarchical of the job
     timeout_s: float = 300.0
@@ -101,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--ops", type=int, default=2000, help="operations per block")
-    parser.add_argument("--blocks", type=int, default=7, help="blocks per path")
+    parser.add_argument("--blocks", type=int, default=11, help="blocks per path")
     parser.add_argument("--warmup", type=int, default=200, help="untimed ops per path")
     parser.add_argument("--hierarchical", choices=["auto", "true", "false"], default="auto",
                         help="comm.hierarchical of the job (auto: shared memory on one host)")
@@ -119,14 +119,3 @@ def run_args(args: argparse.Namespace) -> tuple[str, str, list[dict]]:
              f"+ {plan.servers} server(s) on loopback (comm.hierarchical={plan.hierarchical}); "
              f"torch/raw = {torch_row.vs_raw:.2f}")
     return title, format_rows(rows), [r.as_dict() for r in rows]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m bpstrain.bench.overhead``: same as ``python -m bpstrain.bench overhead``."""
-    from bpstrain.bench import cli
-
-    return cli.main(["overhead", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,7 +11,9 @@ Example:
     >>> cfg.trainer.epochs, cfg.cluster.workers
     (2, 2)
 
-The field comments below are the reference documentation of each key.
+The field comments below are the reference documentation of each key; a ``comm`` key
+is documented by its :class:`Knob` (doc, bounds, environment variables), the one
+definition the environment reader, the loader and ``bpstrain.engine.init`` all check.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class GradientReducer:
                 return False, None
             arrays, self._sums, self._count = self._sums, None, 0
             if self.average_aggregated:
-                arrays = [np.divide(a, self.passes).astype(a.dtype, copy=False) for a in arrays]
+                arrays = [_group.average(a, self.passes) for a in arrays]
         names = [f"{self.prefix}.{k}" for k in keys]
         return True, _group.push_pull_group(arrays, names, True, [-k for k in keys])
 

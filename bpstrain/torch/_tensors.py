@@ -41,17 +41,24 @@ def engine_dtype(tensor: torch.Tensor) -> str:
 def host_view(tensor: torch.Tensor, shape: Tuple[int, ...] = None) -> np.ndarray:
     """A numpy array sharing memory with a contiguous CPU tensor (no copy).
 
+    The one place where bfloat16 is reinterpreted: it crosses as int16 (the same
+    bytes); :func:`from_host` turns such an array back into a tensor.
+
     Args:
-        tensor: contiguous CPU tensor (pinned or not).
-        shape: reshape the view to this shape (default: the tensor's shape, 0-d -> (1,)).
+        tensor: contiguous CPU tensor (pinned or not) that does not require grad.
+        shape: reshape the view to this shape (default: the tensor's own; a 0-d
+            tensor gives a 0-d array, which the engine takes with shape ``(1,)``).
     """
-    t = tensor.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    if shape is None:
-        shape = tuple(t.shape) or (1,)
-    # reshape() of a contiguous tensor is a view; the engine rejects 0-d arrays' shapes.
-    return t.reshape(shape).numpy()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    # reshape() of a contiguous tensor is a view.
+    return (tensor if shape is None else tensor.reshape(shape)).numpy()
+
+
+def from_host(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of ``dtype`` sharing memory with an array made by :func:`host_view`'s rules."""
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
 
 
 def chunk_bytes(partition_bytes: int) -> int:

@@ -33,6 +33,9 @@ from bpstrain.torch.compression import Compression
 
 _DTYPES = _tensors.ENGINE_DTYPES
 _SCALAR = (1,)  # the shape a 0-d tensor is sent with
+# Host array -> result tensor, per engine dtype (torch.from_numpy itself where it can).
+_WRAP = {name: torch.from_numpy for name in engine.DTYPES}
+_WRAP["bfloat16"] = functools.partial(_tensors.from_host, dtype=torch.bfloat16)
 
 
 class _Runtime:
@@ -121,10 +124,6 @@ def declare(name: str) -> None:
         raise ValueError(f"declare() takes a non-empty tensor name. Received: name={name!r}")
 
 
-def _bf16_tensor(array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(array).view(torch.bfloat16)
-
-
 def _copy_back(staged: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         result.copy_(staged)
@@ -156,21 +155,19 @@ def _start(tensor: torch.Tensor, inplace: bool, name: Optional[str], op: Op,
         tensor = tensor.detach()  # the engine writes memory autograd does not see
     if tensor.is_cuda:
         return _start_cuda(rt, tensor, inplace, result, name, named, op, priority, root)
-    bf16 = dtype == "bfloat16"  # numpy has no bfloat16: the same bytes cross as int16
     if not inplace:
-        src = (tensor if tensor.is_contiguous() else tensor.contiguous())
-        src = (src.view(torch.int16) if bf16 else src).numpy()
+        src = _tensors.host_view(tensor if tensor.is_contiguous() else tensor.contiguous())
         # The result is allocated by numpy and wrapped for torch once the engine has the
         # operation: a third of the cost of torch.empty_like + .numpy() before it
         # (the result's storage is not resizable, as with torch.from_numpy).
         # numpy's shape tuple: pybind11 reads a torch.Size element by element, slowly.
         return engine.submit(name, dtype, src.shape or _SCALAR, src, np.empty_like(src), op,
-                             root, priority, wrap=_bf16_tensor if bf16 else torch.from_numpy)
+                             root, priority, wrap=_WRAP[dtype])
     then = None
     if not tensor.is_contiguous():  # the engine needs contiguous memory: stage, copy back
         tensor = torch.empty_like(tensor, memory_format=torch.contiguous_format).copy_(tensor)
         then = functools.partial(_copy_back, tensor)
-    view = (tensor.view(torch.int16) if bf16 else tensor).numpy()
+    view = _tensors.host_view(tensor)
     return engine.submit(name, dtype, view.shape or _SCALAR, view, view, op, root, priority,
                          result=result, then=then)
 

@@ -4,7 +4,6 @@ Each backend runs one launched job (keras_worker.py) holding every check, becaus
 worker pays the backend import; the tests here report the checks one by one.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -42,18 +41,6 @@ def test_job_exits_cleanly_and_runs_every_check(backend):
     code, out, results = job(backend)
     assert code == 0, out[-4000:]
     assert sorted(results) == sorted(CHECKS), out[-4000:]
-
-
-@pytest.fixture
-def standalone_engine(monkeypatch):
-    from bpstrain import engine
-
-    for name in [n for n in os.environ if n.startswith(("DMLC_", "BYTEPS_"))]:
-        monkeypatch.delenv(name)
-    engine.shutdown()
-    engine.init()
-    yield engine
-    engine.shutdown()
 
 
 @pytest.mark.timeout(30)
