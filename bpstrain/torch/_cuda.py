@@ -183,7 +183,8 @@ class Stager:
                 event.synchronize()  # releases the GIL
             view = _tensors.host_view(op.host[c.start:c.stop], c.shape)
             op.handles.append(engine.submit(c.name, dtype, c.shape, view, view, op.op, op.root,
-                                            op.priority, device="cuda", layout=c.layout))
+                                            op.priority, device=op.host_device.type,
+                                            layout=c.layout))
 
     def _copy_to_host(self, op: CudaOp) -> List[Optional[torch.cuda.Event]]:
         """Queues the D2H copies of every chunk; returns one event per chunk."""
