@@ -1,17 +1,7 @@
 #include "transport.h"
 
-#include "inproc_transport.h"
-#include "tcp_transport.h"
 
 namespace bps {
-
-std::shared_ptr<Transport> Transport::Get(const std::string& name) {
-  static const std::shared_ptr<Transport> tcp = std::make_shared<TcpTransport>();
-  static const std::shared_ptr<Transport> inproc = std::make_shared<InprocTransport>();
-  if (name == "tcp" || name.empty()) return tcp;
-  if (name == "inproc") return inproc;
-  throw Error(Error::kConfig, "unknown transport; expected one of tcp, inproc. Received: transport=" + name);
-}
 
 Outbox::Outbox(Link* link) : link_(link) { writer_ = std::thread([this] { WriterLoop(); }); }
 

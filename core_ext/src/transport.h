@@ -11,7 +11,7 @@
 //
 // Adding a transport (see inproc_transport.cc for a complete example in ~200 lines):
 //   class MyTransport : public Transport { ... Listen, Connect, Endpoint ... };
-//   and one line in Transport::Get (transport.cc) that maps its name to it.
+//   and one line in Transport::Get (transport_registry.cc) that maps its name to it.
 //
 // The contract every implementation keeps (the engine's correctness relies on it):
 //  - Send() of one Link is thread-safe and frames never interleave; it returns once the
