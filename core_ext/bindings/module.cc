@@ -11,9 +11,11 @@
 #include <set>
 
 #include "../src/affinity.h"
+#include "../src/auth.h"
 #include "../src/common.h"
 #include "../src/reduce.h"
 #include "../src/scheduler.h"
+#include "../src/secure_link.h"
 #include "../src/send_policy.h"
 #include "../src/server.h"
 #include "../src/server_handler.h"
@@ -187,7 +189,7 @@ PYBIND11_MODULE(_core, m) {
   py::implicitly_convertible<int, Op>();  // 0/1/2 as before
 
   // A raw frame link for tests that play a hostile or broken peer over any transport.
-  py::class_<Link>(m, "RawLink", "One frame link opened with connect_raw(); for tests and tools.")
+  py::class_<Link, std::shared_ptr<Link>>(m, "RawLink", "One frame link opened with connect_raw(); for tests and tools.")
       .def(
           "send",
           [](Link& l, int type, py::bytes meta, py::bytes body, uint64_t key, uint64_t version, int64_t arg,
@@ -223,14 +225,32 @@ PYBIND11_MODULE(_core, m) {
       .def("shutdown", &Link::Shutdown);
   m.def(
       "connect_raw",
-      [](const std::string& transport, const std::string& host, int port, double timeout) {
+      [](const std::string& transport, const std::string& host, int port, double timeout, bool handshake,
+         const std::string& secret, py::bytes key, const std::string& identity) {
         auto t = Transport::Get(transport);
         std::string ep = t->Endpoint(host, port);
+        std::string k = key;
         py::gil_scoped_release nogil;
-        return t->Connect(ep, timeout, nullptr);
+        std::shared_ptr<Link> link = t->Connect(ep, timeout, nullptr);
+        if (!handshake) return link;
+        return SecureConnect(std::move(link), k.empty() ? ClusterKey(secret) : k, identity);
       },
       py::arg("transport"), py::arg("host"), py::arg("port"), py::arg("timeout") = 10.0,
-      "A RawLink to host:port over `transport` (\"tcp\" or \"inproc\").");
+      py::arg("handshake") = false, py::arg("secret") = "", py::arg("key") = py::bytes(),
+      py::arg("identity") = "worker",
+      "A RawLink to host:port over `transport` (\"tcp\" or \"inproc\"). With handshake=True it first "
+      "runs the secure handshake as `identity`, keyed by `key` (a data credential) or by `secret`'s cluster key; "
+      "the link then authenticates every frame.");
+  m.def(
+      "hmac_sha256", [](py::bytes key, py::bytes msg) { return py::bytes(HmacSha256(key, msg)); },
+      py::arg("key"), py::arg("message"), "HMAC-SHA256 as the engine computes it (for tests).");
+  m.def(
+      "pbkdf2_sha256",
+      [](py::bytes password, py::bytes salt, int iterations) {
+        return py::bytes(Pbkdf2Sha256(password, salt, iterations));
+      },
+      py::arg("password"), py::arg("salt"), py::arg("iterations"));
+  m.def("sha256_accelerated", &Sha256Accelerated, "True when SHA-256 runs on the CPU's SHA extensions.");
 
   py::class_<SendPolicy>(m, "SendPolicy",
                          "The worker's partition scheduling policy (priority, credit, global order, spread), "
@@ -279,11 +299,20 @@ PYBIND11_MODULE(_core, m) {
              o.secret = secret;
              return std::make_unique<Scheduler>(o);
            }),
-           py::arg("num_workers"), py::arg("num_servers"), py::arg("host") = "0.0.0.0",
+           py::arg("num_workers"), py::arg("num_servers"), py::arg("host") = "127.0.0.1",
            py::arg("port") = 0, py::arg("rendezvous_timeout") = 120.0,
            py::arg("peer_timeout") = 30.0, py::arg("secret") = "", py::arg("local_size") = 0,
            py::arg("mixed_mode") = true, py::arg("transport") = "tcp")
       .def_property_readonly("port", &Scheduler::port)
+      .def("stats",
+           [](Scheduler& s) {
+             Scheduler::Stats st = s.stats();
+             py::dict d;
+             d["threads"] = st.threads;
+             d["refused"] = st.refused;
+             d["nodes"] = st.nodes;
+             return d;
+           })
       .def("start", &Scheduler::Start)
       .def("wait", &WaitReleased<Scheduler>, py::arg("seconds"))
       .def("stop", &Scheduler::Stop, py::call_guard<py::gil_scoped_release>());
@@ -293,8 +322,9 @@ PYBIND11_MODULE(_core, m) {
                        const std::string& listen_host, const std::string& advertise_host, int server_id,
                        int engine_threads, const std::string& numa, double rendezvous_timeout,
                        const std::string& secret, const std::string& host_id, const std::string& transport,
-                       py::object handler) {
+                       py::object handler, double round_timeout) {
              ServerOptions o;
+             o.round_timeout = round_timeout;
              o.transport = transport;
              if (!handler.is_none()) {
                // One Python handler object per engine thread, made by calling `handler()`.
@@ -315,12 +345,25 @@ PYBIND11_MODULE(_core, m) {
              o.secret = secret;
              return std::make_unique<Server>(o);
            }),
-           py::arg("scheduler_host"), py::arg("scheduler_port"), py::arg("listen_host") = "0.0.0.0",
+           py::arg("scheduler_host"), py::arg("scheduler_port"), py::arg("listen_host") = "",
            py::arg("advertise_host") = "", py::arg("server_id") = -1, py::arg("engine_threads") = 2,
            py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
            py::arg("host_id") = "", py::arg("transport") = "tcp", py::arg("handler") = py::none(),
-           "`handler`: None (sum) or a factory of Python server handlers (see PythonHandler).")
+           py::arg("round_timeout") = 300.0,
+           "`handler`: None (sum) or a factory of Python server handlers (see PythonHandler). `listen_host`: "
+           "\"\" = the advertised host, else this host's address toward the scheduler; \"0.0.0.0\" = all.")
       .def_property_readonly("port", &Server::port)
+      .def_property_readonly("endpoint", &Server::endpoint)
+      .def("stats",
+           [](Server& s) {
+             Server::Stats st = s.stats();
+             py::dict d;
+             d["pending_rounds"] = st.pending_rounds;
+             d["connections"] = st.connections;
+             d["threads"] = st.threads;
+             d["expired_rounds"] = st.expired_rounds;
+             return d;
+           })
       .def("start", &Server::Start)
       .def("wait", &WaitReleased<Server>, py::arg("seconds"))
       .def("stop", &Server::Stop, py::call_guard<py::gil_scoped_release>());

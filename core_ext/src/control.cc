@@ -4,6 +4,8 @@
 
 #include <cstdio>
 
+#include "secure_link.h"
+
 namespace bps {
 
 const char* RoleName(Role r) {
@@ -14,29 +16,17 @@ const char* RoleName(Role r) {
   }
 }
 
-std::string SecretToken(const std::string& secret) {
-  if (secret.empty()) return "";
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : "bpstrain-secret:" + secret) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
-  return buf;
-}
-
 Welcome ControlClient::Connect(Transport& transport, const std::string& endpoint, const NodeInfo& me,
                                double timeout_s, Handler on_frame, LostHandler on_lost,
                                const std::atomic<bool>* cancel) {
   auto start = Clock::now();
-  conn_ = transport.Connect(endpoint, timeout_s, cancel);
+  conn_ = ConnectSecure(transport, endpoint, ClusterKey(me.secret), RoleName(me.role), timeout_s, cancel);
   conn_->set_peer("scheduler " + endpoint);
   char hostname[256] = {0};
   gethostname(hostname, sizeof hostname - 1);
   MetaWriter w;
   w.U32(static_cast<uint32_t>(me.role)).I64(me.rank_hint).Str(me.listen_endpoint);
-  w.Str(me.advertise_host).Str(SecretToken(me.secret)).I64(getpid()).Str(hostname);
+  w.Str(me.advertise_host).I64(getpid()).Str(hostname);
   w.U32(static_cast<uint32_t>(me.local_size)).Str(me.host_id);
   FrameHeader h;
   h.type = static_cast<uint16_t>(MsgType::kHello);
@@ -74,10 +64,21 @@ Welcome ControlClient::Connect(Transport& transport, const std::string& endpoint
   Welcome wel;
   try {
     wel.rank = rd.I64();
-    wel.num_workers = static_cast<int>(rd.U32());
-    wel.num_servers = static_cast<int>(rd.U32());
+    const uint32_t workers = rd.U32(), servers = rd.U32();
+    if (workers < 1 || servers < 1 || workers > kMaxNodes || servers > kMaxNodes)
+      throw FrameError("a job of " + std::to_string(workers) + " workers and " + std::to_string(servers) + " servers");
+    wel.num_workers = static_cast<int>(workers);
+    wel.num_servers = static_cast<int>(servers);
+    const int64_t peers = me.role == Role::kWorker ? wel.num_servers : wel.num_workers;
+    if (wel.rank < 0 || wel.rank >= (me.role == Role::kWorker ? wel.num_workers : wel.num_servers))
+      throw FrameError("assigned rank " + std::to_string(wel.rank) + " is out of range");
     for (int i = 0; i < wel.num_servers; ++i) wel.servers.push_back(rd.Str());
     wel.job_id = static_cast<uint64_t>(rd.I64());
+    if (rd.U32() != peers) throw FrameError("the welcome's credentials do not match the job's size");
+    for (int64_t i = 0; i < peers; ++i) {
+      wel.peer_keys.push_back(rd.Str());
+      if (wel.peer_keys.back().size() != 32) throw FrameError("a data-connection credential is not 32 bytes");
+    }
   } catch (const FrameError& e) {
     throw Error(Error::kPeer, std::string("malformed welcome from the scheduler: ") + e.what());
   }

@@ -1,5 +1,5 @@
 // The control-plane client every server and worker uses to talk to the scheduler:
-// handshake (kHello -> kWelcome), heartbeats, and a reader thread that hands every
+// the secure handshake (secure_link.h), registration (kHello -> kWelcome), heartbeats, and a reader thread that hands every
 // later control frame to the owner's callback. Written once, used by both roles, over
 // any Transport. Sends are queued (Outbox): a caller holding its own lock never blocks
 // on the scheduler.
@@ -28,7 +28,7 @@ struct NodeInfo {
   int64_t rank_hint = -1;      // requested rank/server id, -1 = assign in arrival order
   std::string listen_endpoint;  // servers: their data listener (Listener::endpoint())
   std::string advertise_host;  // "" = the scheduler uses the address it sees
-  std::string secret;
+  std::string secret;          // the cluster secret ("" = none); never sent
   int local_size = 1;          // workers: processes on this worker host (BYTEPS_LOCAL_SIZE)
   std::string host_id;         // which machine this is ("" = advertise_host or the address
                                // the scheduler sees); co-located servers share a worker's id
@@ -41,11 +41,13 @@ struct Welcome {
   int num_servers = 0;
   std::vector<std::string> servers;  // endpoints, index = server id
   uint64_t job_id = 0;  // random per job: names host-local shared memory
+  // Data-connection credentials the scheduler issued: a worker gets one per server, a
+  // server one per worker (index = the peer's id); see secure_link.h.
+  std::vector<std::string> peer_keys;
 };
 
-// Token a node presents for cluster.secret. A keyed FNV-1a hash: it keeps stray jobs
-// and port scanners out; it is not a defence against an attacker on the network.
-std::string SecretToken(const std::string& secret);
+// The largest job the control plane accepts (a welcome beyond it is malformed).
+constexpr int kMaxNodes = 1 << 16;
 
 class ControlClient {
  public:
@@ -71,7 +73,7 @@ class ControlClient {
   void ReadLoop();
   void HeartbeatLoop();
 
-  std::unique_ptr<Link> conn_;
+  std::shared_ptr<Link> conn_;
   std::unique_ptr<Outbox> outbox_;
   Handler on_frame_;
   LostHandler on_lost_;

@@ -44,18 +44,26 @@ class InprocLink : public Link {
     if (body_len) f.body.assign(static_cast<const char*>(body), static_cast<const char*>(body) + body_len);
     std::unique_lock<std::mutex> lk(out_->mu);
     // Back-pressure like a socket's send buffer: a reader that stops reading stalls us.
-    out_->cv.wait(lk, [&] { return out_->closed || out_->bytes == 0 || out_->bytes + body_len <= kInprocQueueBytes; });
+    if (!out_->cv.wait_for(lk, std::chrono::duration<double>(kSendTimeoutS), [&] {
+          return out_->closed || out_->bytes == 0 || out_->bytes + body_len <= kInprocQueueBytes;
+        }))
+      throw Error(Error::kTimeout, "sending to " + peer_ + " made no progress (peer stopped reading)");
     if (out_->closed) throw Error(Error::kPeer, "connection to " + peer_ + " lost while sending");
     out_->bytes += body_len;
     out_->frames.push_back(std::move(f));
     out_->cv.notify_all();
   }
 
-  bool RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body) override {
+  bool RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body, uint32_t max_meta) override {
     std::unique_lock<std::mutex> lk(in_->mu);
     auto ready = [&] { return in_->closed || !in_->frames.empty(); };
+    auto until = deadline_;
     if (timeout_s_ > 0) {
-      if (!in_->cv.wait_for(lk, std::chrono::duration<double>(timeout_s_), ready))
+      auto t = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
+      if (until == Clock::time_point{} || t < until) until = t;
+    }
+    if (until != Clock::time_point{}) {
+      if (!in_->cv.wait_until(lk, until, ready))
         throw Error(Error::kTimeout, "receive from " + peer_ + " timed out");
     } else {
       in_->cv.wait(lk, ready);
@@ -67,7 +75,7 @@ class InprocLink : public Link {
     in_->cv.notify_all();
     lk.unlock();
     read_ = 0;
-    CheckHeader(current_.h, max_body);
+    CheckHeader(current_.h, max_body, max_meta);
     *h = current_.h;
     *meta = std::move(current_.meta);
     return true;
@@ -79,6 +87,11 @@ class InprocLink : public Link {
   }
   void DiscardBody(uint64_t n) override { Take(n); }
   void SetRecvTimeout(double seconds) override { timeout_s_ = seconds; }
+  void SetDeadline(double seconds) override {
+    deadline_ = seconds > 0 ? Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                 std::chrono::duration<double>(seconds))
+                            : Clock::time_point{};
+  }
   void Shutdown() override {
     in_->Close();
     out_->Close();
@@ -94,6 +107,7 @@ class InprocLink : public Link {
   Pipe::Frame current_;
   uint64_t read_ = 0;
   double timeout_s_ = 0;
+  Clock::time_point deadline_{};
 };
 
 class InprocListener;

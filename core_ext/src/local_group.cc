@@ -58,9 +58,16 @@ char* MapShared(const std::string& name, size_t size, int users, uint64_t nbytes
                                        " (is /dev/shm large enough?)");
     }
   } else if (errno == EEXIST) {
-    fd = shm_open(name.c_str(), O_RDWR, 0600);
-    auto start = Clock::now();
+    fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0600);
     struct stat st {};
+    // Another local rank made it - or someone else did, to read or feed this host's sums.
+    if (fd >= 0 && fstat(fd, &st) == 0 && (st.st_uid != geteuid() || (st.st_mode & 077) != 0)) {
+      close(fd);
+      throw Error(Error::kGeneric, "shared memory " + name + " exists but belongs to uid " + std::to_string(st.st_uid) +
+                                       " with mode " + std::to_string(st.st_mode & 0777) +
+                                       ": refusing to use a segment this user did not create with mode 0600");
+    }
+    auto start = Clock::now();
     while (fd >= 0 && fstat(fd, &st) == 0 && st.st_size == 0 && SecondsSince(start) < kOpenTimeout)
       usleep(200);
     if (fd < 0 || st.st_size == 0) throw Error(Error::kTimeout, "shared memory " + name + " was never sized");

@@ -5,6 +5,7 @@
 #include <random>
 #include <set>
 
+#include "auth.h"
 #include "tuning.h"
 
 namespace bps {
@@ -12,7 +13,7 @@ namespace bps {
 // A connected node. Frames to it go through its outbox (never sent under mu_); its
 // reader thread is ServeConnection.
 struct Scheduler::Node {
-  std::unique_ptr<Link> conn;
+  std::shared_ptr<Link> conn;
   std::unique_ptr<Outbox> out;
   std::string peer_ip;
   Role role = Role::kWorker;
@@ -47,6 +48,8 @@ Scheduler::Scheduler(const SchedulerOptions& opts)
   server_share_.assign(opts.num_servers, 1.0 / opts.num_servers);
   local_size_ = opts.local_size;
   if (local_size_ > 0) num_workers_ = opts.num_workers * local_size_;
+  cluster_key_ = ClusterKey(opts.secret);
+  job_key_ = RandomBytes(32);
 }
 
 Scheduler::~Scheduler() { Stop(); }
@@ -73,12 +76,17 @@ void Scheduler::Stop() {
     n->out->Close(std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count()));
   if (accept_thread_.joinable()) accept_thread_.join();
   if (monitor_thread_.joinable()) monitor_thread_.join();
-  std::vector<std::thread> threads;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    threads.swap(threads_);
-  }
-  for (auto& t : threads) t.join();
+  conn_threads_.ShutdownLinks();  // also the connections still in their handshake
+  conn_threads_.JoinAll();
+}
+
+Scheduler::Stats Scheduler::stats() {
+  Stats st;
+  st.threads = static_cast<int64_t>(conn_threads_.size());
+  st.refused = slots_.refused();
+  std::lock_guard<std::mutex> lk(mu_);
+  st.nodes = static_cast<int64_t>(nodes_.size());
+  return st;
 }
 
 bool Scheduler::Wait(double seconds) {
@@ -91,15 +99,24 @@ bool Scheduler::Wait(double seconds) {
 
 void Scheduler::AcceptLoop() {
   for (;;) {
-    std::unique_ptr<Link> link = listener_->Accept();
-    if (!link) return;
-    auto node = std::make_shared<Node>();
-    node->peer_ip = link->peer_host();
-    node->conn = std::move(link);
-    node->out = std::make_unique<Outbox>(node->conn.get());
-    std::lock_guard<std::mutex> lk(mu_);
-    if (stopping_) return;
-    threads_.emplace_back([this, node] { ServeConnection(node); });
+    std::shared_ptr<Link> link;
+    try {
+      link = listener_->Accept();
+    } catch (const std::exception& e) {  // out of memory or descriptors: refuse, never abort
+      LogWarn(std::string("accept failed: ") + e.what());
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    if (!link || stopping_) return;
+    std::shared_ptr<HandshakeSlots::Slot> slot = slots_.TryTake();
+    if (!slot) {  // too many strangers at once: close this one at the door
+      const int n = slots_.refused();
+      if (n == 1 || n % 10000 == 0)
+        LogWarn("refusing connections: " + std::to_string(kMaxPendingHandshakes) +
+                " are already in their handshake (" + std::to_string(n) + " refused so far)");
+      continue;
+    }
+    conn_threads_.Spawn(link, [this, link, slot]() mutable { ServeConnection(std::move(link), std::move(slot)); });
   }
 }
 
@@ -109,11 +126,13 @@ void Scheduler::SendError(const std::shared_ptr<Node>& node, const std::string& 
   node->out->Post(h, MetaWriter().Str(msg).bytes());
 }
 
-bool Scheduler::Handshake(const std::shared_ptr<Node>& node) {
-  node->conn->SetRecvTimeout(10.0);  // a silent client must not hold this thread forever
+bool Scheduler::Register(const std::shared_ptr<Node>& node) {
+  // Still a stranger until registered (there may be no secret): the same bounds as the
+  // handshake, for the whole exchange and for the hello's size.
+  node->conn->SetDeadline(kHandshakeSeconds);
   FrameHeader h;
   std::string meta;
-  if (!node->conn->RecvFrame(&h, &meta, 0)) return false;
+  if (!node->conn->RecvFrame(&h, &meta, 0, kHandshakeMetaLen)) return false;
   if (h.type != static_cast<uint16_t>(MsgType::kHello))
     throw FrameError("expected a hello frame first, got type " + std::to_string(h.type));
   MetaReader r(meta);
@@ -124,7 +143,6 @@ bool Scheduler::Handshake(const std::shared_ptr<Node>& node) {
   node->rank_hint = r.I64();
   std::string endpoint = r.Str();
   std::string advertise = r.Str();
-  std::string token = r.Str();
   node->pid = r.I64();
   node->hostname = r.Str();
   node->local_size = static_cast<int>(r.U32());
@@ -138,14 +156,7 @@ bool Scheduler::Handshake(const std::shared_ptr<Node>& node) {
       throw FrameError(std::string("server hello with a bad endpoint: ") + e.what());
     }
   }
-  node->conn->SetRecvTimeout(0);
-  if (token != SecretToken(opts_.secret)) {
-    LogWarn("refused a " + std::string(RoleName(node->role)) + " from " + node->peer_ip +
-            ": wrong or missing cluster secret");
-    SendError(node, "wrong or missing cluster secret (set the same cluster.secret / BPSTRAIN_SECRET "
-                    "on every node)");
-    return false;
-  }
+  node->conn->SetDeadline(0);
   std::lock_guard<std::mutex> lk(mu_);
   if (node->role == Role::kWorker) {
     if (node->local_size < 1 || node->local_size > 4096)
@@ -239,6 +250,13 @@ void Scheduler::CompleteRendezvousLocked() {
     w.I64(n->rank).U32(num_workers_).U32(opts_.num_servers);
     for (auto& s : servers) w.Str(s->endpoint);
     w.I64(static_cast<int64_t>(job_id_));
+    // Pairwise data-connection credentials: only this worker and that server get
+    // HMAC(job key, worker, server), so no other node can act as either on that link.
+    const bool worker = n->role == Role::kWorker;
+    const int peers = worker ? opts_.num_servers : num_workers_;
+    w.U32(static_cast<uint32_t>(peers));
+    for (int p = 0; p < peers; ++p)
+      w.Str(HmacSha256(job_key_, MetaWriter().Str("data").I64(worker ? n->rank : p).I64(worker ? p : n->rank).bytes()));
     FrameHeader h;
     h.type = static_cast<uint16_t>(MsgType::kWelcome);
     n->out->Post(h, w.bytes());  // a lost node: its reader thread reports it
@@ -248,27 +266,55 @@ void Scheduler::CompleteRendezvousLocked() {
           std::to_string(opts_.num_servers) + " servers");
 }
 
-void Scheduler::ServeConnection(std::shared_ptr<Node> node) {
+void Scheduler::ServeConnection(std::shared_ptr<Link> raw, std::shared_ptr<HandshakeSlots::Slot> slot) {
+  const std::string from = raw->peer_host();
+  std::shared_ptr<Link> link;
+  try {
+    std::string identity;
+    link = SecureAccept(raw, [this](const std::string&, std::string* key) { *key = cluster_key_; return true; },
+                        &identity);
+  } catch (const FrameError& e) {
+    slots_.NoteFailure(from, std::string("malformed frame in the handshake: ") + e.what());
+  } catch (const std::exception& e) {
+    slots_.NoteFailure(from, e.what());
+  }
+  if (!link) return;
+  auto node = std::make_shared<Node>();
+  node->peer_ip = from;
+  node->conn = link;
+  node->out = std::make_unique<Outbox>(node->conn.get());
   std::string why;
   try {
-    if (!Handshake(node)) return;
+    const bool registered = Register(node);
+    slot.reset();  // a registered node no longer counts against the strangers' limit
+    if (!registered) {
+      node->out->Close(1.0);  // a refused node still gets the reason it was refused
+      return;
+    }
     FrameHeader h;
     std::string meta;
     while (node->conn->RecvFrame(&h, &meta, 0)) HandleFrame(node, h, meta);
     why = "closed its connection";
   } catch (const FrameError& e) {
-    LogWarn("dropping connection from " + node->peer_ip + ": malformed frame: " + e.what());
+    if (node->registered) LogWarn("dropping connection from " + node->peer_ip + ": malformed frame: " + e.what());
+    else slots_.NoteFailure(node->peer_ip, std::string("malformed frame: ") + e.what());
     why = std::string("sent a malformed frame (") + e.what() + ")";
   } catch (const std::exception& e) {
     why = std::string("lost its connection (") + e.what() + ")";
   }
-  // A refused node still gets the reason it was refused.
   node->out->Close(node->registered ? 0.0 : 1.0);
   if (node->registered) OnDisconnect(node, why);
 }
 
 void Scheduler::HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader& h,
                             const std::string& meta) {
+  {
+    // A node speaks only for itself: the rank it was given at rendezvous.
+    std::lock_guard<std::mutex> lk(mu_);
+    if (h.sender != node->rank)
+      throw FrameError("a frame claiming to come from rank " + std::to_string(h.sender) + " on the connection of " +
+                       node->Describe());
+  }
   switch (static_cast<MsgType>(h.type)) {
     case MsgType::kHeartbeat: {
       std::lock_guard<std::mutex> lk(mu_);
@@ -279,6 +325,8 @@ void Scheduler::HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader
       return HandleDeclare(node, meta);
     case MsgType::kBarrier: {
       std::lock_guard<std::mutex> lk(mu_);
+      if (node->role != Role::kWorker || node->goodbye)
+        throw FrameError("a barrier from " + node->Describe() + ": only workers in the job take part in barriers");
       if (++barrier_count_ < num_workers_) return;
       barrier_count_ = 0;
       return SendToWorkersLocked(MsgType::kBarrierReply);
@@ -360,12 +408,18 @@ void Scheduler::HandleDeclare(const std::shared_ptr<Node>& node, const std::stri
     if (reg == registry_.end() || !(reg->second.decl == *ref)) {
       // First declaration, or every rank now declares the name with another shape: a
       // new tensor (new keys), placed afresh.
-      if (reg != registry_.end()) ReleaseLocked(reg->second.placement);
       Declaration placed = *ref;  // an auto partition size follows the slowest link
       for (auto& [rank, decl] : decls)
         if (decl.link_bytes_per_s > 0 && (placed.link_bytes_per_s == 0 || decl.link_bytes_per_s < placed.link_bytes_per_s))
           placed.link_bytes_per_s = decl.link_bytes_per_s;
-      registry_[name] = Tensor{next_tensor_id_, *ref, PlaceLocked(next_tensor_id_, placed)};
+      std::string place_error;
+      std::string placement = PlaceLocked(next_tensor_id_, placed, &place_error);
+      if (placement.empty()) {
+        w.U32(2).Str("tensor '" + name + "': " + place_error);
+        return SendToWorkersLocked(MsgType::kDeclareReply, w.bytes(), &decls);
+      }
+      if (reg != registry_.end()) ReleaseLocked(reg->second.placement);
+      registry_[name] = Tensor{next_tensor_id_, *ref, std::move(placement)};
       reg = registry_.find(name);
       ++next_tensor_id_;
     }
@@ -395,7 +449,7 @@ void Scheduler::ReleaseLocked(const std::string& placement) {
   }
 }
 
-std::string Scheduler::PlaceLocked(int64_t id, const Declaration& d) {
+std::string Scheduler::PlaceLocked(int64_t id, const Declaration& d, std::string* error) {
   int64_t elems = 1;
   for (int64_t s : d.shape) elems *= s;
   const int64_t esize = static_cast<int64_t>(DTypeSize(static_cast<DType>(d.dtype)));
@@ -406,6 +460,13 @@ std::string Scheduler::PlaceLocked(int64_t id, const Declaration& d) {
                      ? std::max<int64_t>(esize, d.partition_bytes / esize * esize)
                      : AutoPartitionBytes(static_cast<double>(d.link_bytes_per_s), total, opts_.num_servers, esize);
   int64_t nparts = std::max<int64_t>(1, (total + part - 1) / part);
+  if (nparts > kMaxPartitions) {
+    *error = std::to_string(total) + " bytes in partitions of " + std::to_string(part) + " bytes make " +
+             std::to_string(nparts) + " partitions, more than the " + std::to_string(kMaxPartitions) +
+             " one tensor may have: raise partition_bytes (BPSTRAIN_PARTITION_BYTES) to at least " +
+             std::to_string((total + kMaxPartitions - 1) / kMaxPartitions) + ", or 0 for automatic";
+    return "";
+  }
   MetaWriter w;
   w.I64(id).U32(static_cast<uint32_t>(nparts));
   for (int64_t p = 0; p < nparts; ++p) {

@@ -19,7 +19,9 @@
 #include <vector>
 
 #include "common.h"
+#include "connection_threads.h"
 #include "control.h"
+#include "secure_link.h"
 #include "transport.h"
 
 namespace bps {
@@ -46,6 +48,12 @@ class Scheduler {
   ~Scheduler();
   int port() const { return listener_->port(); }
   void Start();
+  // Counters for tests and the fuzzer: connection threads not yet reaped, connections
+  // refused at the door (too many in their handshake), registered nodes.
+  struct Stats {
+    int64_t threads = 0, refused = 0, nodes = 0;
+  };
+  Stats stats();
   // True once every worker has said goodbye and the servers were told to exit.
   // Throws the job's failure (a dead node, a rendezvous timeout).
   bool Wait(double seconds);
@@ -73,8 +81,9 @@ class Scheduler {
   };
 
   void AcceptLoop();
-  void ServeConnection(std::shared_ptr<Node> node);
-  bool Handshake(const std::shared_ptr<Node>& node);
+  // One connection from the first byte: the secure handshake, registration, then its frames.
+  void ServeConnection(std::shared_ptr<Link> raw, std::shared_ptr<HandshakeSlots::Slot> slot);
+  bool Register(const std::shared_ptr<Node>& node);
   void HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader& h, const std::string& meta);
   void HandleDeclare(const std::shared_ptr<Node>& node, const std::string& meta);
   void CompleteRendezvousLocked();
@@ -83,7 +92,8 @@ class Scheduler {
   void OnDisconnect(const std::shared_ptr<Node>& node, const std::string& why);
   void FailLocked(const std::string& msg);
   void MonitorLoop();
-  std::string PlaceLocked(int64_t id, const Declaration& d);
+  // The partition table of a new tensor; "" with `error` set when it cannot be placed.
+  std::string PlaceLocked(int64_t id, const Declaration& d, std::string* error);
   // To every worker still in the job, or only to the ranks in `only`.
   void SendToWorkersLocked(MsgType type, const std::string& meta = "",
                            const std::map<int64_t, Declaration>* only = nullptr);
@@ -96,7 +106,10 @@ class Scheduler {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::shared_ptr<Node>> nodes_;  // registered (handshake done)
-  std::vector<std::thread> threads_;
+  ConnectionThreads conn_threads_;  // one per connection, reaped when it ends
+  HandshakeSlots slots_;            // connections not yet registered
+  std::string cluster_key_;         // from opts_.secret ("" = unauthenticated control plane)
+  std::string job_key_;             // random; issues the data-connection credentials
   std::thread accept_thread_, monitor_thread_;
   bool rendezvous_done_ = false;
   bool finished_ = false;

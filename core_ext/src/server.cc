@@ -9,7 +9,7 @@ namespace bps {
 // One worker's data link: a reader (ServeConnection) and an outbox, so the engine
 // threads never block on the network.
 struct Server::Conn {
-  std::unique_ptr<Link> link;
+  std::shared_ptr<Link> link;
   std::unique_ptr<Outbox> out;
   int64_t worker_rank = -1;
 
@@ -21,8 +21,23 @@ struct Server::Conn {
   void Close() { out->Close(); }
 };
 
+namespace {
+
+std::string ListenHost(const ServerOptions& o, const Transport& t) {
+  if (!o.listen_host.empty()) return o.listen_host;
+  if (!o.advertise_host.empty()) return o.advertise_host;
+  std::string toward = t.LocalHostToward(t.Endpoint(o.scheduler_host, o.scheduler_port));
+  return toward.empty() ? "0.0.0.0" : toward;
+}
+
+}  // namespace
+
 Server::Server(const ServerOptions& opts)
-    : opts_(opts), transport_(Transport::Get(opts.transport)), listener_(transport_->Listen(opts.listen_host, 0)) {
+    : opts_(opts),
+      transport_(Transport::Get(opts.transport)),
+      listener_(transport_->Listen(ListenHost(opts, *transport_), 0)) {
+  if (!(opts.round_timeout > 0))
+    throw Error(Error::kConfig, "round_timeout must be > 0 seconds. Received: " + std::to_string(opts.round_timeout));
   if (opts.engine_threads < 1 || opts.engine_threads > 256)
     throw Error(Error::kConfig, "engine_threads must be in [1, 256]. Received: engine_threads=" +
                                     std::to_string(opts.engine_threads));
@@ -49,6 +64,7 @@ void Server::Run() {
         [this](const std::string& why) { Finish(why); }, &stopping_);
     SetLogPrefix("bpstrain server " + std::to_string(w.rank));
     num_workers_ = w.num_workers;
+    worker_keys_ = w.peer_keys;
   } catch (const Error& e) {
     failure_kind_ = e.kind();
     Finish(e.what());
@@ -94,14 +110,13 @@ void Server::Stop() {
   listener_->Close();
   if (accept_thread_.joinable()) accept_thread_.join();
   std::vector<std::shared_ptr<Conn>> conns;
-  std::vector<std::thread> threads;
   {
     std::lock_guard<std::mutex> lk(mu_);
     conns = conns_;
-    threads.swap(conn_threads_);
   }
   for (auto& c : conns) c->Close();
-  for (auto& t : threads) t.join();
+  conn_threads_.ShutdownLinks();  // also the connections still in their handshake
+  conn_threads_.JoinAll();
   for (auto& e : engines_) {
     {
       std::lock_guard<std::mutex> lk(e->mu);
@@ -112,46 +127,97 @@ void Server::Stop() {
   }
 }
 
+Server::Stats Server::stats() {
+  Stats st;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    st.connections = static_cast<int64_t>(conns_.size());
+  }
+  for (auto& e : engines_) {
+    std::lock_guard<std::mutex> lk(e->mu);
+    st.pending_rounds += e->pending.load();
+  }
+  st.threads = static_cast<int64_t>(conn_threads_.size());
+  st.expired_rounds = expired_rounds_.load();
+  return st;
+}
+
 void Server::AcceptLoop() {
   SetupEngineThread("bps-srv-accept", cpus_);
   for (;;) {
-    std::unique_ptr<Link> link = listener_->Accept();
-    if (!link) return;
-    link->set_peer("worker at " + link->peer_host());
-    auto conn = std::make_shared<Conn>();
-    conn->link = std::move(link);
-    conn->out = std::make_unique<Outbox>(conn->link.get());
-    std::lock_guard<std::mutex> lk(mu_);
-    if (stopping_) return;
-    conns_.push_back(conn);
-    conn_threads_.emplace_back([this, conn] { ServeConnection(conn); });
+    std::shared_ptr<Link> link;
+    try {
+      link = listener_->Accept();
+    } catch (const std::exception& e) {  // out of memory or descriptors: refuse, never abort
+      LogWarn(std::string("accept failed: ") + e.what());
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    if (!link || stopping_) return;
+    std::shared_ptr<HandshakeSlots::Slot> slot = slots_.TryTake();
+    if (!slot) {
+      const int n = slots_.refused();
+      if (n == 1 || n % 10000 == 0)
+        LogWarn("refusing data connections: " + std::to_string(kMaxPendingHandshakes) +
+                " are already in their handshake (" + std::to_string(n) + " refused so far)");
+      continue;
+    }
+    conn_threads_.Spawn(link, [this, link, slot]() mutable { ServeConnection(std::move(link), std::move(slot)); });
   }
 }
 
-void Server::ServeConnection(std::shared_ptr<Conn> conn) {
+void Server::ServeConnection(std::shared_ptr<Link> raw, std::shared_ptr<HandshakeSlots::Slot> slot) {
   SetupEngineThread("bps-srv-recv", cpus_);
-  Link& link = *conn->link;
+  const std::string from = raw->peer_host();
+  // Only a worker of this job, proving the credential the scheduler issued for its rank
+  // and this server, gets past the handshake.
+  int64_t rank = -1;
+  auto key_for = [&](const std::string& identity, std::string* key) {
+    const std::string prefix = "worker ";
+    char* end = nullptr;
+    long r = identity.compare(0, prefix.size(), prefix) == 0 ? std::strtol(identity.c_str() + prefix.size(), &end, 10) : -1;
+    if (!end || *end || r < 0 || r >= static_cast<long>(worker_keys_.size())) {
+      *key = "not a worker of this job (identity '" + identity.substr(0, 40) + "')";
+      return false;
+    }
+    rank = r;
+    *key = worker_keys_[r];
+    return true;
+  };
+  std::shared_ptr<Link> link;
   try {
-    link.SetRecvTimeout(10.0);
+    std::string identity;
+    link = SecureAccept(raw, key_for, &identity);
+  } catch (const FrameError& e) {
+    slots_.NoteFailure(from, std::string("malformed frame in the handshake: ") + e.what());
+  } catch (const std::exception& e) {
+    slots_.NoteFailure(from, e.what());
+  }
+  slot.reset();
+  if (!link) return;
+  link->set_peer("worker " + std::to_string(rank) + " at " + from);
+  auto conn = std::make_shared<Conn>();
+  conn->link = link;
+  conn->out = std::make_unique<Outbox>(link.get());
+  conn->worker_rank = rank;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopping_) return conn->Close();
+    conns_.push_back(conn);
+  }
+  try {
     FrameHeader h;
     std::string meta;
-    if (!link.RecvFrame(&h, &meta, 0)) return conn->Close();
-    if (h.type != static_cast<uint16_t>(MsgType::kServerHello))
-      throw FrameError("expected a worker hello first, got type " + std::to_string(h.type));
-    MetaReader r(meta);
-    conn->worker_rank = r.I64();
-    if (r.Str() != SecretToken(opts_.secret)) {
-      LogWarn("refused a data connection from " + link.peer() + ": wrong or missing cluster secret");
-      return conn->Close();
-    }
-    link.SetRecvTimeout(0);
-    while (link.RecvFrame(&h, &meta, kMaxBodyLen)) {
+    while (link->RecvFrame(&h, &meta, kMaxBodyLen)) {
+      if (h.sender != rank)
+        throw FrameError("a frame claiming to come from worker " + std::to_string(h.sender) +
+                         " on the connection of worker " + std::to_string(rank));
       if (h.type == static_cast<uint16_t>(MsgType::kProbe)) {
         // Link measurement at rendezvous: the body is thrown away, the reply says it came.
         if (h.body_len > kMaxProbeBytes)
           throw FrameError("probe of " + std::to_string(h.body_len) + " bytes exceeds " +
                            std::to_string(kMaxProbeBytes));
-        link.DiscardBody(h.body_len);
+        link->DiscardBody(h.body_len);
         FrameHeader reply;
         reply.type = static_cast<uint16_t>(MsgType::kProbeReply);
         reply.key = h.key;
@@ -159,10 +225,10 @@ void Server::ServeConnection(std::shared_ptr<Conn> conn) {
         continue;
       }
       Task t{conn, ParsePush(h, meta)};
-      t.push.sender = static_cast<int>(conn->worker_rank);
+      t.push.sender = static_cast<int>(rank);
       if (h.body_len) {
         t.push.body = pool_->Acquire(h.body_len);
-        link.RecvBody(t.push.body->data(), h.body_len);
+        link->RecvBody(t.push.body->data(), h.body_len);
       }
       EngineThread* et = engines_[h.key % engines_.size()].get();
       std::lock_guard<std::mutex> lk(et->mu);
@@ -170,26 +236,65 @@ void Server::ServeConnection(std::shared_ptr<Conn> conn) {
       et->cv.notify_one();
     }
   } catch (const FrameError& e) {
-    LogWarn("dropping connection from " + link.peer() + ": malformed frame: " + e.what());
+    LogWarn("dropping connection from " + link->peer() + ": malformed frame: " + e.what());
   } catch (const std::exception& e) {
-    if (!stopping_) LogDebug("connection from " + link.peer() + " ended: " + e.what());
+    if (!stopping_) LogDebug("connection from " + link->peer() + " ended: " + e.what());
   }
   conn->Close();
+  std::lock_guard<std::mutex> lk(mu_);
+  conns_.erase(std::remove(conns_.begin(), conns_.end(), conn), conns_.end());
 }
 
 void Server::EngineLoop(EngineThread* et, int index) {
   SetupEngineThread("bps-srv-eng" + std::to_string(index), cpus_);
+  auto last_sweep = Clock::now();
   for (;;) {
     Task t;
     {
       std::unique_lock<std::mutex> lk(et->mu);
-      et->cv.wait(lk, [&] { return !et->queue.empty(); });
+      et->cv.wait_for(lk, std::chrono::seconds(1), [&] { return !et->queue.empty(); });
+      if (et->queue.empty()) {
+        lk.unlock();
+        ExpireRounds(et);
+        last_sweep = Clock::now();
+        continue;
+      }
       t = std::move(et->queue.front());
       et->queue.pop_front();
     }
     if (!t.from) return;
     Process(et, t);
+    et->pending.store(static_cast<int64_t>(et->rounds.size()));
+    if (SecondsSince(last_sweep) > 1.0) {
+      ExpireRounds(et);
+      last_sweep = Clock::now();
+    }
   }
+}
+
+void Server::ExpireRounds(EngineThread* et) {
+  // Only this engine thread touches et->rounds; `pending` mirrors its size for stats().
+  const double limit = std::min(opts_.round_timeout, 1e9);
+  for (auto it = et->rounds.begin(); it != et->rounds.end();) {
+    PendingRound& pr = it->second;
+    if (SecondsSince(pr.started) <= limit) {
+      ++it;
+      continue;
+    }
+    FrameHeader e;
+    e.type = static_cast<uint16_t>(MsgType::kError);
+    e.key = pr.round.key;
+    e.version = pr.round.version;
+    const std::string why = MetaWriter().Str("partition " + std::to_string(pr.round.key) + " round " +
+                                             std::to_string(pr.round.version) + " expired after " +
+                                             std::to_string(static_cast<int>(limit)) + " s with " +
+                                             std::to_string(pr.round.pushes) + " of " +
+                                             std::to_string(pr.round.expected) + " pushes").bytes();
+    for (auto& w : pr.waiters) w->Reply(e, why);
+    it = et->rounds.erase(it);
+    ++expired_rounds_;
+  }
+  et->pending.store(static_cast<int64_t>(et->rounds.size()));
 }
 
 Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {

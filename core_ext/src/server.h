@@ -23,7 +23,9 @@
 
 #include "buffer_pool.h"
 #include "common.h"
+#include "connection_threads.h"
 #include "control.h"
+#include "secure_link.h"
 #include "server_handler.h"
 #include "transport.h"
 
@@ -32,7 +34,9 @@ namespace bps {
 struct ServerOptions {
   std::string scheduler_host = "127.0.0.1";
   int scheduler_port = 0;
-  std::string listen_host = "0.0.0.0";
+  // Where the data listener binds: "" = the advertised host if given, else this host's
+  // address toward the scheduler (loopback for a local job); "0.0.0.0" = every interface.
+  std::string listen_host;
   std::string advertise_host;  // DMLC_NODE_HOST; "" = what the scheduler sees
   std::string host_id;         // machine identity for mixed mode; "" = the address
   int server_id = -1;          // -1 = assigned by the scheduler
@@ -42,6 +46,9 @@ struct ServerOptions {
   std::string secret;
   std::string transport = "tcp";  // "tcp" or "inproc" (Transport::Get)
   HandlerFactory handler;         // per-key logic; empty = SumHandler
+  // Seconds a round may wait for its last push before it is dropped and its pushers are
+  // told (the workers' own operation timeout has fired by then): memory stays bounded.
+  double round_timeout = 300.0;
 };
 
 class Server {
@@ -49,7 +56,15 @@ class Server {
   explicit Server(const ServerOptions& opts);
   ~Server();
   int port() const { return listener_->port(); }
+  // The data listener's endpoint (where it is bound).
+  std::string endpoint() const { return listener_->endpoint(); }
   void Start();
+  // Counters for tests and the fuzzer: rounds waiting for pushes, open data connections,
+  // connection threads not yet reaped.
+  struct Stats {
+    int64_t pending_rounds = 0, connections = 0, threads = 0, expired_rounds = 0;
+  };
+  Stats stats();
   bool Wait(double seconds);
   void Stop();
 
@@ -61,6 +76,7 @@ class Server {
   };
   struct PendingRound {
     Round round;
+    Clock::time_point started = Clock::now();
     std::vector<std::shared_ptr<Conn>> waiters;  // in push order
   };
   struct EngineThread {
@@ -69,12 +85,14 @@ class Server {
     std::deque<Task> queue;
     std::unique_ptr<ServerHandler> handler;
     std::map<std::pair<uint64_t, uint64_t>, PendingRound> rounds;  // (key, version) -> state
+    std::atomic<int64_t> pending{0};  // rounds.size(), for stats() from other threads
     std::thread thread;
   };
 
   void Run();
   void AcceptLoop();
-  void ServeConnection(std::shared_ptr<Conn> conn);
+  void ServeConnection(std::shared_ptr<Link> raw, std::shared_ptr<HandshakeSlots::Slot> slot);
+  void ExpireRounds(EngineThread* et);
   void EngineLoop(EngineThread* et, int index);
   void Process(EngineThread* et, Task& t);
   Push ParsePush(const FrameHeader& h, const std::string& meta) const;
@@ -92,12 +110,15 @@ class Server {
   std::thread main_thread_, accept_thread_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<std::shared_ptr<Conn>> conns_;
-  std::vector<std::thread> conn_threads_;
+  std::vector<std::shared_ptr<Conn>> conns_;  // open data connections
+  ConnectionThreads conn_threads_;
+  HandshakeSlots slots_;
+  std::vector<std::string> worker_keys_;  // data credentials by worker rank (from the welcome)
   bool done_ = false;
   std::string failure_;
   Error::Kind failure_kind_ = Error::kPeer;
   std::atomic<bool> stopping_{false};
+  std::atomic<int64_t> expired_rounds_{0};
 };
 
 }  // namespace bps

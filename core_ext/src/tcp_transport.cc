@@ -52,8 +52,10 @@ TcpListener::TcpListener(const std::string& host, int port) {
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     int e = errno;
     close(fd);
-    throw Error(Error::kConfig, "cannot listen on " + host + ":" + std::to_string(port) + ": " +
-                                    strerror(e) + " (is the port in use?)");
+    throw Error(Error::kConfig, "cannot listen on " + host + ":" + std::to_string(port) + ": " + strerror(e) +
+                                    (e == EADDRNOTAVAIL ? " (not an address of this host: set BPSTRAIN_LISTEN_HOST to one "
+                                                          "that is, or to 0.0.0.0 for every interface)"
+                                                        : " (is the port in use?)"));
   }
   listen(fd, 512);
   socklen_t len = sizeof addr;
@@ -112,6 +114,28 @@ std::string TcpTransport::CompleteEndpoint(const std::string& endpoint, const st
   return node_host + ":" + std::to_string(port);
 }
 
+std::string TcpTransport::LocalHostToward(const std::string& endpoint) const {
+  std::string host;
+  int port = 0;
+  SplitHostPort(endpoint, &host, &port);
+  sockaddr_in addr;
+  if (!Resolve(host, port == 0 ? 9 : port, &addr)) return "";
+  // A UDP "connect" sends nothing; it only asks the kernel which source address it would use.
+  int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return "";
+  std::string out;
+  sockaddr_in local{};
+  socklen_t len = sizeof local;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+    char buf[INET_ADDRSTRLEN] = {0};
+    inet_ntop(AF_INET, &local.sin_addr, buf, sizeof buf);
+    out = buf;
+  }
+  close(fd);
+  return out == "0.0.0.0" ? "" : out;
+}
+
 std::unique_ptr<Link> TcpTransport::Connect(const std::string& endpoint, double deadline_s,
                                             const std::atomic<bool>* cancel) {
   std::string host;
@@ -143,6 +167,9 @@ std::unique_ptr<Link> TcpTransport::Connect(const std::string& endpoint, double 
 TcpLink::TcpLink(int fd, std::string peer, std::string peer_host) : fd_(fd) {
   peer_ = std::move(peer);
   peer_host_ = std::move(peer_host);
+  // A peer that stops reading must not hold a sender forever (see kSendTimeoutS).
+  timeval tv{static_cast<time_t>(kSendTimeoutS), 0};
+  setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
 }
 
 TcpLink::~TcpLink() {
@@ -155,6 +182,18 @@ void TcpLink::Shutdown() {
 }
 
 void TcpLink::SetRecvTimeout(double seconds) {
+  recv_timeout_s_ = seconds;
+  ApplyRecvTimeout(seconds);
+}
+
+void TcpLink::SetDeadline(double seconds) {
+  deadline_ = seconds > 0 ? Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                               std::chrono::duration<double>(seconds))
+                          : Clock::time_point{};
+  if (seconds <= 0) ApplyRecvTimeout(recv_timeout_s_);
+}
+
+void TcpLink::ApplyRecvTimeout(double seconds) {
   timeval tv{};
   tv.tv_sec = static_cast<time_t>(seconds);
   tv.tv_usec = static_cast<suseconds_t>((seconds - tv.tv_sec) * 1e6);
@@ -186,6 +225,9 @@ void TcpLink::Send(FrameHeader h, const std::string& meta, const void* body,
     ssize_t n = sendmsg(fd_, &msg, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK)
+        throw Error(Error::kTimeout, "sending to " + peer_ + " made no progress for " +
+                                         std::to_string(static_cast<int>(kSendTimeoutS)) + " s (peer stopped reading)");
       throw Error(Error::kPeer, "connection to " + peer_ + " lost while sending: " +
                                     strerror(errno));
     }
@@ -204,7 +246,13 @@ void TcpLink::Send(FrameHeader h, const std::string& meta, const void* body,
 bool TcpLink::RecvAll(void* dst, uint64_t n, bool eof_ok) {
   char* p = static_cast<char*>(dst);
   uint64_t got = 0;
+  const bool bounded = deadline_ != Clock::time_point{};
   while (got < n) {
+    if (bounded) {  // the deadline bounds the whole receive, not each recv() call
+      const double left = std::chrono::duration<double>(deadline_ - Clock::now()).count();
+      if (left <= 0) throw Error(Error::kTimeout, "receive from " + peer_ + " missed its deadline");
+      ApplyRecvTimeout(recv_timeout_s_ > 0 ? std::min(left, recv_timeout_s_) : left);
+    }
     ssize_t r = recv(fd_, p + got, static_cast<size_t>(std::min<uint64_t>(n - got, 1 << 30)), 0);
     if (r > 0) {
       got += static_cast<uint64_t>(r);
@@ -221,9 +269,9 @@ bool TcpLink::RecvAll(void* dst, uint64_t n, bool eof_ok) {
   return true;
 }
 
-bool TcpLink::RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body) {
+bool TcpLink::RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body, uint32_t max_meta) {
   if (!RecvAll(h, sizeof *h, /*eof_ok=*/true)) return false;
-  CheckHeader(*h, max_body);
+  CheckHeader(*h, max_body, max_meta);
   meta->resize(h->meta_len);
   if (h->meta_len) RecvAll(&(*meta)[0], h->meta_len, false);
   return true;

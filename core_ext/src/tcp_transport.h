@@ -39,17 +39,22 @@ class TcpLink : public Link {
 
   void Send(FrameHeader h, const std::string& meta = "", const void* body = nullptr,
             uint64_t body_len = 0) override;
-  bool RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body) override;
+  bool RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body,
+                 uint32_t max_meta = kMaxMetaLen) override;
   void RecvBody(void* dst, uint64_t n) override;
   void DiscardBody(uint64_t n) override;
   void SetRecvTimeout(double seconds) override;
+  void SetDeadline(double seconds) override;
   // Caps the kernel send buffer (bytes); the kernel doubles it for bookkeeping.
   void SetSendBuffer(int bytes) override;
   void Shutdown() override;
 
  private:
   bool RecvAll(void* dst, uint64_t n, bool eof_ok);
+  void ApplyRecvTimeout(double seconds);
   int fd_;
+  double recv_timeout_s_ = 0;
+  Clock::time_point deadline_{};  // epoch = none
   std::mutex send_mu_;
   std::atomic<bool> down_{false};
 };
@@ -68,6 +73,7 @@ class TcpTransport : public Transport {
   // Today's rule: a server is reached at the host the scheduler knows it by (its
   // DMLC_NODE_HOST, else the address its hello came from) and the port it listens on.
   std::string CompleteEndpoint(const std::string& endpoint, const std::string& node_host) const override;
+  std::string LocalHostToward(const std::string& endpoint) const override;
 };
 
 // Splits "host:port"; throws Error(kConfig) for anything else.

@@ -32,7 +32,8 @@ std::shared_ptr<TensorDecl> TensorRegistry::Use(const OpRequest& req, int partic
   return t;
 }
 
-std::shared_ptr<TensorDecl> TensorRegistry::OnReply(const std::string& meta, int num_servers, std::string* error) {
+std::shared_ptr<TensorDecl> TensorRegistry::OnReply(const std::string& meta, int num_servers, std::string* error,
+                                                    Error::Kind* kind) {
   MetaReader r(meta);
   const std::string name = r.Str();
   const uint32_t status = r.U32();
@@ -42,10 +43,12 @@ std::shared_ptr<TensorDecl> TensorRegistry::OnReply(const std::string& meta, int
   std::shared_ptr<TensorDecl> t = pending->second.front();
   if (status != 0) {
     *error = r.Str();
+    *kind = status == 2 ? Error::kConfig : Error::kMismatch;
   } else {
     const int64_t id = r.I64();
     const uint32_t nparts = r.U32();
-    if (id < 0 || nparts == 0 || nparts > (1u << 20))
+    // Keys are id << 20 | partition: both must fit, whatever the scheduler sent.
+    if (id < 0 || id >= (int64_t{1} << 40) || nparts == 0 || nparts > kMaxPartitions)
       throw FrameError("declare reply for '" + name + "' with tensor id " + std::to_string(id) + " and " +
                        std::to_string(nparts) + " partitions");
     std::vector<Part> parts(nparts);

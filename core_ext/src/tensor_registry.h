@@ -40,9 +40,11 @@ class TensorRegistry {
   std::shared_ptr<TensorDecl> Use(const OpRequest& req, int participants, int64_t partition_bytes,
                                   double link_bytes_per_s, std::string* declare_meta);
   // Applies a kDeclareReply: returns the declaration it answers, now declared, or with
-  // *error set when the ranks disagreed (the name is then forgotten, so a corrected
-  // retry declares afresh). Throws FrameError for a malformed or unexpected reply.
-  std::shared_ptr<TensorDecl> OnReply(const std::string& meta, int num_servers, std::string* error);
+  // *error and *kind set when the ranks disagreed (kMismatch) or the scheduler cannot
+  // place it (kConfig); the name is then forgotten, so a corrected retry declares
+  // afresh. Throws FrameError for a malformed or unexpected reply.
+  std::shared_ptr<TensorDecl> OnReply(const std::string& meta, int num_servers, std::string* error,
+                                      Error::Kind* kind);
   // The current declaration of `name`, or null.
   std::shared_ptr<TensorDecl> Find(const std::string& name) const;
 

@@ -16,10 +16,14 @@
 // The contract every implementation keeps (the engine's correctness relies on it):
 //  - Send() of one Link is thread-safe and frames never interleave; it returns once the
 //    body may be reused (copied or on the wire); it throws Error(kPeer) when the peer is gone.
-//  - RecvFrame() checks the header (CheckHeader against `max_body`) and returns false on a
-//    clean end of stream; then the caller reads exactly h.body_len bytes with
-//    RecvBody/DiscardBody before the next RecvFrame.
+//  - RecvFrame() checks the header (CheckHeader against `max_body` and `max_meta`) before
+//    it allocates anything for the frame, and returns false on a clean end of stream;
+//    then the caller reads exactly h.body_len bytes with RecvBody/DiscardBody before the
+//    next RecvFrame.
 //  - SetRecvTimeout(s) makes a receive that waits longer than s throw Error(kTimeout).
+//  - SetDeadline(s) makes every receive that has not finished s seconds from now throw
+//    Error(kTimeout), however the bytes trickle in (the handshake's whole-exchange bound).
+//  - Send() that makes no progress for kSendTimeoutS throws Error(kTimeout).
 //  - Shutdown() unblocks every thread in Send/Recv on both ends; idempotent.
 #pragma once
 
@@ -41,10 +45,12 @@ class Link {
   virtual ~Link() = default;
   virtual void Send(FrameHeader h, const std::string& meta = "", const void* body = nullptr,
                     uint64_t body_len = 0) = 0;
-  virtual bool RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body) = 0;
+  virtual bool RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body,
+                         uint32_t max_meta = kMaxMetaLen) = 0;
   virtual void RecvBody(void* dst, uint64_t n) = 0;
   virtual void DiscardBody(uint64_t n) = 0;
   virtual void SetRecvTimeout(double seconds) = 0;  // 0 = forever
+  virtual void SetDeadline(double seconds) = 0;     // 0 = none
   // A hint: bytes the transport may buffer for sending (TCP: SO_SNDBUF).
   virtual void SetSendBuffer(int bytes) {}
   virtual void Shutdown() = 0;
@@ -93,6 +99,11 @@ class Transport {
   virtual std::string CompleteEndpoint(const std::string& endpoint, const std::string& node_host) const {
     return endpoint;
   }
+
+  // The host of this machine's interface that reaches `endpoint` (TCP: the source address
+  // the routing table picks), "" when the transport has no such notion. A server listens
+  // there by default, not on every interface.
+  virtual std::string LocalHostToward(const std::string& endpoint) const { return ""; }
 
   // The transport called `name` ("tcp" or "inproc"); one shared instance per name.
   // Throws Error(kConfig) naming the available ones.

@@ -7,11 +7,12 @@
 namespace bps {
 
 namespace {
-void ProbeAll(const std::vector<Link*>& links, uint64_t bytes, const std::vector<char>& zeros) {
+void ProbeAll(const std::vector<Link*>& links, uint64_t bytes, const std::vector<char>& zeros, int sender) {
   for (Link* c : links) {
     FrameHeader h;
     h.type = static_cast<uint16_t>(MsgType::kProbe);
     h.arg = static_cast<int64_t>(bytes);
+    h.sender = sender;
     c->Send(h, "", bytes ? zeros.data() : nullptr, bytes);
   }
   for (Link* c : links) {
@@ -26,7 +27,7 @@ void ProbeAll(const std::vector<Link*>& links, uint64_t bytes, const std::vector
 }
 }  // namespace
 
-LinkEstimate ProbeLinks(const std::vector<Link*>& links, double min_seconds, uint64_t max_bytes) {
+LinkEstimate ProbeLinks(const std::vector<Link*>& links, double min_seconds, uint64_t max_bytes, int sender) {
   LinkEstimate est;
   if (links.empty()) return est;
   const uint64_t k = links.size();
@@ -34,14 +35,14 @@ LinkEstimate ProbeLinks(const std::vector<Link*>& links, double min_seconds, uin
   est.rtt_s = 1e9;
   for (int i = 0; i < 3; ++i) {
     auto t0 = Clock::now();
-    ProbeAll(links, 0, zeros);
+    ProbeAll(links, 0, zeros, sender);
     est.rtt_s = std::min(est.rtt_s, SecondsSince(t0) / static_cast<double>(k));
   }
   // Each round sends `per` bytes to every server at once; grow until the exchange is long
   // enough to measure the link rather than the buffers in front of it.
   for (uint64_t per = 64 << 10;; per *= 2) {
     auto t0 = Clock::now();
-    ProbeAll(links, per, zeros);
+    ProbeAll(links, per, zeros, sender);
     const double dt = std::max(SecondsSince(t0), 1e-6);
     est.bytes_per_s = static_cast<double>(per * k) / dt;
     if (dt >= min_seconds || per * 2 > kMaxProbeBytes || per * 2 * k > max_bytes) break;

@@ -27,7 +27,8 @@ struct LinkEstimate {
 // `min_seconds` (so the kernel's buffers and a shaper's burst do not dominate) or
 // `max_bytes` would be exceeded. Each link gets one connection of its server; the
 // server answers kProbe with kProbeReply. Throws Error(kPeer) when a link breaks.
-LinkEstimate ProbeLinks(const std::vector<Link*>& links, double min_seconds, uint64_t max_bytes);
+// `sender`: the probing worker's rank (servers check that a frame names its own link's worker).
+LinkEstimate ProbeLinks(const std::vector<Link*>& links, double min_seconds, uint64_t max_bytes, int sender = -1);
 
 // Partition size for a tensor of `tensor_bytes` (whole elements of `elem_bytes`): about
 // kPartitionSeconds of link time, so that per-partition costs stay small against the

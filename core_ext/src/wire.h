@@ -14,13 +14,15 @@
 
 namespace bps {
 
-constexpr uint32_t kFrameMagic = 0x31535042;  // "BPS1" little-endian
+constexpr uint32_t kFrameMagic = 0x32535042;  // "BPS2" little-endian (v2: authenticated handshake)
 constexpr uint32_t kMaxMetaLen = 1 << 20;     // 1 MiB of metadata is far beyond any real frame
 constexpr uint64_t kMaxBodyLen = 1ull << 31;  // one partition never exceeds 2 GiB
 constexpr uint64_t kMaxProbeBytes = 4u << 20; // one link-probe frame
+constexpr int64_t kMaxPartitions = 32768;     // per tensor: its table must fit one frame's metadata
+constexpr double kSendTimeoutS = 60.0;        // a send that makes no progress this long fails
 
 enum class MsgType : uint16_t {
-  kHello = 1,         // node -> scheduler: role, rank hint, listen port, secret proof
+  kHello = 1,         // node -> scheduler: role, rank hint, listen endpoint (after the handshake)
   kWelcome = 2,       // scheduler -> node: assigned rank, sizes, server address book
   kDeclare = 3,       // worker -> scheduler: name, dtype, shape, partition bytes
   kDeclareReply = 4,  // scheduler -> worker: tensor id + partition placement, or error
@@ -33,9 +35,13 @@ enum class MsgType : uint16_t {
   kError = 11,        // any -> any: a refused request; meta holds the message
   kPush = 12,         // worker -> server: one partition of one round
   kPullReply = 13,    // server -> worker: the reduced partition of that round
-  kServerHello = 14,  // worker -> server: identifies the worker on a data connection
+  // 14 was v1's data-connection hello; the handshake's identity replaced it.
   kProbe = 15,        // worker -> server: `body_len` bytes that only measure the link
   kProbeReply = 16,   // server -> worker: the probe's body has fully arrived
+  kAuthHello = 17,    // connecting side -> acceptor: nonce, identity (secure_link.h)
+  kAuthChallenge = 18,  // acceptor -> connecting side: nonce, the acceptor's proof
+  kAuthProof = 19,    // connecting side -> acceptor: its proof
+  kAuthOk = 20,       // acceptor -> connecting side: accepted (the first authenticated frame)
 };
 
 // Flags of kPush frames.
@@ -65,8 +71,9 @@ class FrameError : public std::runtime_error {
   explicit FrameError(const std::string& m) : std::runtime_error(m) {}
 };
 
-// Validates magic, type range and lengths. `max_body` is the receiver's own limit.
-void CheckHeader(const FrameHeader& h, uint64_t max_body);
+// Validates magic, type range and lengths. `max_body` and `max_meta` are the receiver's
+// own limits (small ones before a peer has authenticated).
+void CheckHeader(const FrameHeader& h, uint64_t max_body, uint32_t max_meta = kMaxMetaLen);
 
 class MetaWriter {
  public:

@@ -7,6 +7,7 @@
 #include "affinity.h"
 #include "local_group.h"
 #include "reduce.h"
+#include "secure_link.h"
 
 namespace bps {
 
@@ -71,13 +72,15 @@ void Worker::Rendezvous() {
     size_ = w.num_workers;
     servers_ = w.servers;
     SetLogPrefix("bpstrain worker " + std::to_string(rank_));
-    std::string token = SecretToken(opts_.secret);
     std::vector<std::unique_ptr<DataConn>> conns;
     for (int s = 0; s < static_cast<int>(servers_.size()); ++s) {
       for (int c = 0; c < opts_.connections_per_server; ++c) {
         auto dc = std::make_unique<DataConn>();
         dc->server = s;
-        dc->link = transport_->Connect(servers_[s], opts_.rendezvous_timeout, &stopping_);
+        // Authenticated with the credential the scheduler issued for this worker and
+        // server: the server knows it is this rank, and this worker that it is the server.
+        dc->link = ConnectSecure(*transport_, servers_[s], w.peer_keys[s], "worker " + std::to_string(rank_),
+                                 opts_.rendezvous_timeout, &stopping_);
         dc->link->set_peer("server " + std::to_string(s) + " at " + servers_[s]);
         // A small kernel send buffer keeps the credit meaningful: otherwise the kernel
         // takes megabytes per socket at once and the partitions' global order and the
@@ -86,9 +89,6 @@ void Worker::Rendezvous() {
         // (auto: the probe runs with the largest size, then MeasureLinks resizes.)
         const int sndbuf = opts_.socket_send_buffer < 0 ? kMaxAutoSendBuffer : opts_.socket_send_buffer;
         if (sndbuf > 0) dc->link->SetSendBuffer(sndbuf);
-        FrameHeader h;
-        h.type = static_cast<uint16_t>(MsgType::kServerHello);
-        dc->link->Send(h, MetaWriter().I64(rank_).Str(token).bytes());
         conns.push_back(std::move(dc));
       }
     }
@@ -123,7 +123,7 @@ void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
     for (const auto& dc : conns)
       if (links.size() < static_cast<size_t>(dc->server + 1)) links.push_back(dc->link.get());
     for (Link* c : links) c->SetRecvTimeout(opts_.rendezvous_timeout);
-    link_ = ProbeLinks(links, kProbeSeconds, kProbeMaxBytes);
+    link_ = ProbeLinks(links, kProbeSeconds, kProbeMaxBytes, rank_);
     for (Link* c : links) c->SetRecvTimeout(0);
   }
   const int64_t part = auto_part ? AutoPartitionBytes(link_.bytes_per_s, INT64_MAX / 2,
@@ -279,10 +279,11 @@ void Worker::OnDeclareReply(const std::string& meta) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     std::string error;
-    auto t = registry_.OnReply(meta, static_cast<int>(servers_.size()), &error);
+    Error::Kind kind = Error::kMismatch;
+    auto t = registry_.OnReply(meta, static_cast<int>(servers_.size()), &error, &kind);
     for (auto& h : t->waiting) {
       if (h->done) continue;  // failed meanwhile (shutdown, a dead peer)
-      if (!error.empty()) FailHandleLocked(h, Error::kMismatch, error);
+      if (!error.empty()) FailHandleLocked(h, kind, error);
       else if (h->local_group) to_group.push_back(h);
       else ScheduleLocked(h, *t);
     }

@@ -132,7 +132,7 @@ class Worker {
 
  private:
   struct DataConn {
-    std::unique_ptr<Link> link;
+    std::shared_ptr<Link> link;
     int server;
     std::thread sender, receiver;
   };

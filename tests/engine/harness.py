@@ -35,6 +35,7 @@ class InProcessCluster:
         (``before_ready(cluster)`` connects them, through ``connect_raw``). ``handler``
         is a factory of Python server handlers (None: the servers sum)."""
         self.transport = transport = transport or DEFAULT_TRANSPORT
+        self.secret = secret
         self.scheduler = _core.Scheduler((workers + extra_workers) // local_size, servers, host="127.0.0.1",
                                          port=0, rendezvous_timeout=20, peer_timeout=peer_timeout,
                                          secret=secret, mixed_mode=mixed_mode, transport=transport)
@@ -72,9 +73,14 @@ class InProcessCluster:
             futures = [pool.submit(fn, w.rank, w) for w in self.workers]
             return [f.result(timeout=60) for f in futures]
 
-    def connect_raw(self, port=None):
-        """A raw frame link to the scheduler (or to ``port``) over this cluster's transport."""
-        return _core.connect_raw(self.transport, "127.0.0.1", port or self.scheduler_port)
+    def connect_raw(self, port=None, handshake=False, **kwargs):
+        """A raw frame link to the scheduler (or to ``port``) over this cluster's transport;
+        with ``handshake=True`` it first passes the secure handshake (with this cluster's
+        secret, or ``key=``/``identity=`` for a server's data port)."""
+        if handshake:
+            kwargs.setdefault("secret", self.secret)
+        return _core.connect_raw(self.transport, "127.0.0.1", port or self.scheduler_port,
+                                 handshake=handshake, **kwargs)
 
     def close(self):
         for w in self.workers:
@@ -101,7 +107,7 @@ def wait(worker, handle, timeout=30.0):
             raise TimeoutError(worker.describe(handle))
 
 
-def push_pull(worker, name, array, op=0, root=0, priority=0, out=None):
+def push_pull(worker, name, array, op=0, root=0, priority=0, out=None, participants=0):
     """Blocking push_pull on one in-process worker; returns the output array."""
     out = np.empty_like(array) if out is None else out
     dtype = array.dtype.name
@@ -109,6 +115,7 @@ def push_pull(worker, name, array, op=0, root=0, priority=0, out=None):
         array, out_view = array.view(np.uint16), out.view(np.uint16)
     else:
         out_view = out
-    h = worker.enqueue(name, dtype, list(array.shape), array, out_view, op, root, priority)
+    h = worker.enqueue(name, dtype, list(array.shape), array, out_view, op, root, priority,
+                       participants=participants)
     wait(worker, h)
     return out

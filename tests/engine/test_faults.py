@@ -13,7 +13,7 @@ from tests.engine.harness import InProcessCluster, push_pull
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport")]
 
-HELLO, WELCOME, DECLARE, HEARTBEAT, PEER_DEAD, PUSH, SERVER_HELLO = 1, 2, 3, 7, 10, 12, 14
+HELLO, WELCOME, DECLARE, HEARTBEAT, PEER_DEAD, PUSH = 1, 2, 3, 7, 10, 12
 
 
 def s(text):
@@ -22,23 +22,58 @@ def s(text):
 
 
 def worker_hello(rank):
-    # role, rank hint, listen endpoint, advertise host, secret token, pid, hostname,
-    # local size, host id
-    return (struct.pack("<Iq", 2, rank) + s("") + s("") + s("") + struct.pack("<q", 4242) + s("fake")
+    # role, rank hint, listen endpoint, advertise host, pid, hostname, local size, host id
+    return (struct.pack("<Iq", 2, rank) + s("") + s("") + struct.pack("<q", 4242) + s("fake")
             + struct.pack("<I", 1) + s(""))
 
 
+class MetaReader:
+    def __init__(self, data):
+        self.data, self.pos = data, 0
+
+    def take(self, fmt):
+        (v,) = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return v
+
+    def str(self):
+        n = self.take("<I")
+        self.pos += n
+        return self.data[self.pos - n:self.pos]
+
+
+def parse_welcome(meta):
+    """(rank, server endpoints, data credentials by server) from a worker's welcome."""
+    r = MetaReader(meta)
+    rank, _workers, servers = r.take("<q"), r.take("<I"), r.take("<I")
+    endpoints = [r.str().decode() for _ in range(servers)]
+    r.take("<q")  # job id
+    keys = [r.str() for _ in range(r.take("<I"))]
+    return rank, endpoints, keys
+
+
 class FakeWorker:
-    """Joins the job as its last worker, then does only what the test says."""
+    """Joins the job as its last worker (through the real handshake), then does only
+    what the test says: a registered worker that misbehaves."""
 
     def __init__(self, cluster, rank):
-        self.link = cluster.connect_raw()
+        self.cluster, self.rank = cluster, rank
+        self.link = cluster.connect_raw(handshake=True)
         self.link.send(HELLO, worker_hello(rank))
 
     def welcome(self):
         frame = self.link.recv(10)
         assert frame is not None and frame[0] == WELCOME, frame
+        self.rank, self.endpoints, self.keys = parse_welcome(frame[4])
         return frame
+
+    def send(self, type_, meta=b"", **kw):
+        self.link.send(type_, meta, sender=self.rank, **kw)
+
+    def data_link(self, server=0):
+        """A data connection to `server`, authenticated with this worker's credential."""
+        return self.cluster.connect_raw(self.cluster.servers[server].port, handshake=True,
+                                        key=self.keys[server], identity=f"worker {self.rank}")
 
 
 def run_until_failure(cluster):
@@ -83,15 +118,11 @@ def test_a_worker_that_sends_a_malformed_declare_is_dropped_and_named(meta, capf
     fakes = []
     c = InProcessCluster(2, 1, extra_workers=1, before_ready=lambda c: fakes.append(FakeWorker(c, 2)))
     fakes[0].welcome()
-    fakes[0].link.send(DECLARE, meta)
+    fakes[0].send(DECLARE, meta)
     messages = run_until_failure(c)
     assert all("malformed frame" in m for m in messages), messages
     close_failed(c)
     assert "malformed frame" in capfd.readouterr().err
-
-
-def server_hello(rank):
-    return struct.pack("<q", rank) + s("")
 
 
 @pytest.mark.parametrize("frame", [
@@ -103,14 +134,18 @@ def server_hello(rank):
     dict(type=999),                                            # unknown type
 ])
 def test_a_server_drops_a_garbage_data_link_and_the_job_goes_on(frame, capfd):
-    with InProcessCluster(2, 1) as c:
-        link = c.connect_raw(c.servers[0].port)
-        link.send(SERVER_HELLO, server_hello(7))
+    # A registered worker (it holds a real credential) sends garbage on a second data
+    # connection: the server drops that connection, sums nothing wrong, and goes on.
+    fakes = []
+    with InProcessCluster(2, 1, extra_workers=1, before_ready=lambda c: fakes.append(FakeWorker(c, 2))) as c:
+        fakes[0].welcome()
+        link = fakes[0].data_link()
         frame = dict(frame)
-        link.send(frame.pop("type"), **frame)
+        link.send(frame.pop("type"), sender=2, **frame)
         assert link.recv(10) is None  # the server closed it
-        res = c.run_all(lambda r, w: push_pull(w, "x", np.ones(10, np.float32)))
+        res = c.run_all(lambda r, w: push_pull(w, "x", np.ones(10, np.float32), participants=2))
         assert all(np.all(x == 2) for x in res)
+        fakes[0].send(8)  # goodbye: the fake worker leaves cleanly
     assert "malformed frame" in capfd.readouterr().err
 
 
