@@ -151,17 +151,25 @@ class Watched(ProcessGroup):
 class Child(Watched):
     """One process in its own session whose output is relayed line by line.
 
-    stdout and stderr are merged into one pipe; a reader thread prefixes every
-    line with ``[label]`` and writes it to ``output`` (``sys.stdout`` looked up
+    The child's stdout and stderr stay apart (so ``2>/dev/null`` on the launcher
+    works): a reader thread per stream prefixes every line with ``[label]`` and
+    writes it to ``output`` / ``errors`` (``sys.stdout`` / ``sys.stderr`` looked up
     at write time, so notebook redirection works). A waiter thread reaps the
     process and calls ``on_exit(child)``.
+
+    Once the supervisor has decided to stop the job it calls :meth:`mute`: what a
+    child prints while it is being stopped (a scheduler noticing that the workers
+    went away, a server's "failed" line) is a consequence of the stop, not news,
+    and would blame whichever peer happened to close its connection first.
 
     Args:
         label: Name used in the prefix and in messages, e.g. ``"worker 1"``.
         cmd: Command line.
         env: Complete environment for the process.
         on_exit: Called from the waiter thread once the process has exited.
-        output: Text stream for the relayed lines; ``None`` means ``sys.stdout``.
+        output: Text stream for the relayed stdout lines; ``None`` means ``sys.stdout``.
+        errors: Text stream for the relayed stderr lines; ``None`` means ``output``
+            when that is given (one captured stream), else ``sys.stderr``.
 
     Raises:
         OSError: When the command cannot be started (not found, not executable).
@@ -169,37 +177,59 @@ class Child(Watched):
 
     def __init__(self, label: str, cmd: Sequence[str], env: Mapping[str, str],
                  on_exit: Callable[["Child"], None] | None = None,
-                 output: TextIO | None = None):
+                 output: TextIO | None = None, errors: TextIO | None = None):
         self.cmd = list(cmd)
         self._output = output
+        self._errors = errors if errors is not None else output
+        self.muted = threading.Event()
         proc = subprocess.Popen(
             self.cmd, env=dict(env), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        self._reader = threading.Thread(target=self._relay, daemon=True,
-                                        name=f"bpstrain-relay-{label}")
-        self.label, self.proc = label, proc  # the relay needs them before the waiter runs
-        self._reader.start()
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.label, self.proc = label, proc  # the relays need them before the waiter runs
+        self._readers = [threading.Thread(target=self._relay, args=(pipe, is_err), daemon=True,
+                                          name=f"bpstrain-relay-{label}-{name}")
+                         for pipe, is_err, name in ((proc.stdout, False, "out"),
+                                                    (proc.stderr, True, "err"))]
+        for reader in self._readers:
+            reader.start()
         super().__init__(label, proc, on_exit)
 
-    def _relay(self) -> None:
+    def mute(self) -> None:
+        """Drops the rest of this child's output (it is being stopped on purpose)."""
+        self.muted.set()
+
+    def _relay(self, stream, is_err: bool) -> None:
         prefix = f"[{self.label}] "
-        assert self.proc.stdout is not None
-        with self.proc.stdout as pipe:
+        with stream as pipe:
             for raw in iter(pipe.readline, b""):
+                if self.muted.is_set():
+                    continue  # keep draining so the child never blocks on a full pipe
                 text = raw.decode("utf-8", errors="replace")
                 if not text.endswith("\n"):
                     text += "\n"
-                out = self._output if self._output is not None else sys.stdout
+                if is_err:
+                    out = self._errors if self._errors is not None else sys.stderr
+                else:
+                    out = self._output if self._output is not None else sys.stdout
                 with _write_lock:
                     try:
                         out.write(prefix + text)
                         out.flush()
                     except (OSError, ValueError):
-                        pass  # Our stdout is gone (closed pipe); keep draining the child.
+                        pass  # Our stream is gone (closed pipe); keep draining the child.
 
     def join_output(self, timeout: float = 2.0) -> None:
-        """Waits until the relay has written everything the group printed."""
-        self._reader.join(timeout)
+        """Waits until the relays have written everything the group printed."""
+        deadline = time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+
+
+def mute(children: Sequence[ProcessGroup]) -> None:
+    """Drops the further output of children that are about to be stopped on purpose."""
+    for child in children:
+        if isinstance(child, Child):
+            child.mute()
 
 
 def _group_has_live_member(pgid: int) -> bool:
@@ -325,9 +355,10 @@ def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue
                     continue
                 code = exit_code(child.proc.returncode)
                 if code != 0:
-                    others = sum(1 for c in everyone if c is not child and not c.exited.is_set())
+                    others = [c for c in everyone if c is not child and not c.exited.is_set()]
+                    mute(others)  # their "peer closed its connection" lines are consequences
                     log(f"{child.label} exited with code {code}; stopping the other "
-                        f"{others} process(es)")
+                        f"{len(others)} process(es)")
                     stop_children(everyone, grace)
                     return code
                 pending.discard(id(child))
@@ -335,6 +366,7 @@ def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue
                     deadline = time.monotonic() + service_timeout
     except (KeyboardInterrupt, LaunchInterrupted) as exc:
         signum = exc.signum if isinstance(exc, LaunchInterrupted) else signal.SIGINT
+        mute(everyone)
         log(f"interrupted ({signal.Signals(signum).name}); stopping all processes")
         stop_children(everyone, grace)
         return 128 + signum
