@@ -17,6 +17,22 @@ from bpstrain.errors import ConfigError
 _WAIT_SLICE = 0.2
 
 
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "") or host.startswith("127.")
+
+
+def _warn_if_exposed(role: str, env, options) -> None:
+    """One clear line when a job reachable from other machines runs without a secret."""
+    if role != "scheduler" or options["secret"] or (_is_loopback(env.root_uri) and _is_loopback(env.listen_host or env.root_uri)):
+        return
+    import sys
+
+    print(f"[bpstrain {role}] warning: this job listens beyond loopback without a cluster secret: "
+          "anyone who can reach its ports and joins before your nodes can take a node's place. "
+          "Set the same BPSTRAIN_SECRET (e.g. `openssl rand -hex 32`) on every node.",
+          file=sys.stderr, flush=True)
+
+
 def run_role(role: str, environ: Optional[Mapping[str, str]] = None) -> None:
     """Runs ``role`` ("scheduler" or "server") until the job ends.
 
@@ -42,7 +58,10 @@ def run_role(role: str, environ: Optional[Mapping[str, str]] = None) -> None:
         node = _core.Scheduler(
             env.num_worker_hosts,  # hosts; the workers' hellos tell BYTEPS_LOCAL_SIZE
             env.num_servers,
-            host="0.0.0.0",
+            # Only where the workers were told to connect, not every interface (set
+            # BPSTRAIN_LISTEN_HOST=0.0.0.0 when that address is not this host's own,
+            # e.g. behind a Kubernetes Service).
+            host=env.listen_host or env.root_uri,
             port=env.root_port,
             rendezvous_timeout=float(options["rendezvous_timeout"]),
             peer_timeout=float(options["timeout"]),
@@ -55,6 +74,7 @@ def run_role(role: str, environ: Optional[Mapping[str, str]] = None) -> None:
         node = _core.Server(
             env.root_uri,
             env.root_port,
+            listen_host=env.listen_host,
             advertise_host=env.node_host,
             server_id=-1 if env.server_id is None else env.server_id,
             engine_threads=int(options["engine_threads"]),
@@ -65,6 +85,7 @@ def run_role(role: str, environ: Optional[Mapping[str, str]] = None) -> None:
         )
     else:
         raise ConfigError(f"run_role runs 'scheduler' or 'server'. Received: role={role!r}")
+    _warn_if_exposed(role, env, options)
     node.start()
     try:
         while not node.wait(_WAIT_SLICE):

@@ -12,6 +12,7 @@ Examples::
     python -m bpstrain.bench hierarchical --size 64M   # flat vs hierarchical, 2x2 workers
     python -m bpstrain.bench scaling --workers 1 2 4 --sizes 4M 64M   # time vs n and size
     python -m bpstrain.bench overhead              # per-op cost: raw binding, engine, torch
+    python -m bpstrain.bench fuzz                  # attacks a live job; checks it held
 
 Progress goes to stderr; the table is printed last on stdout.
 """
@@ -22,16 +23,17 @@ import argparse
 import json
 import sys
 
-from bpstrain.bench import _jobs, cluster, emulated, hierarchical, loopback, overhead, scaling
+from bpstrain.bench import _jobs, cluster, emulated, fuzz, hierarchical, loopback, overhead, scaling
 from bpstrain.bench.bounds import parse_size
 from bpstrain.bench.table import format_table
 
 # Benchmarks with their own module: add_arguments() and run_args().
-_MODULES = {"hierarchical": hierarchical, "scaling": scaling, "overhead": overhead}
+_MODULES = {"hierarchical": hierarchical, "scaling": scaling, "overhead": overhead, "fuzz": fuzz}
 _HELP = {"hierarchical": "flat vs hierarchical push_pull, hosts x local ranks (root)",
          "scaling": "bpstrain time vs workers and size on emulated hosts (root)",
-         "overhead": "per-op cost of bpstrain.engine and bpstrain.torch over the raw binding"}
-_ON_LOOPBACK = ("loopback", "overhead")  # need no emulated hosts (no root)
+         "overhead": "per-op cost of bpstrain.engine and bpstrain.torch over the raw binding",
+         "fuzz": "attacks a live job on loopback; checks sums, crashes, fds, threads and RSS"}
+_ON_LOOPBACK = ("loopback", "overhead", "fuzz")  # need no emulated hosts (no root)
 
 
 def _partition(text: str) -> int | None:

@@ -41,6 +41,9 @@ class ClusterEnv:
     local_size_given: bool = False  # BYTEPS_LOCAL_SIZE was set (the scheduler learns it otherwise)
     node_host: str = ""
     host_id: str = ""  # BPSTRAIN_HOST_ID: which machine this is, when addresses do not tell
+    # BPSTRAIN_LISTEN_HOST: where the scheduler and servers bind; "" = the scheduler on
+    # DMLC_PS_ROOT_URI, a server on DMLC_NODE_HOST or its address toward the scheduler.
+    listen_host: str = ""
     mixed_mode: bool = True  # BYTEPS_ENABLE_MIXED_MODE=0 turns the co-located share off
     force_distributed: bool = False
     # Communication knobs; None = not set in the environment (config/defaults apply).
@@ -223,6 +226,7 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
         local_size_given=bool(_get(env, "BYTEPS_LOCAL_SIZE")),
         node_host=node_host,
         host_id=_get(env, "BPSTRAIN_HOST_ID") or "",
+        listen_host=_get(env, "BPSTRAIN_LISTEN_HOST") or "",
         mixed_mode=mixed is not False,
         force_distributed=bool(_bool(env, "BYTEPS_FORCE_DISTRIBUTED")),
         comm=read_comm_env(env),

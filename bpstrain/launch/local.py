@@ -20,6 +20,7 @@ import atexit
 import os
 import queue
 import random
+import secrets
 import socket
 import sys
 import threading
@@ -135,6 +136,11 @@ class LocalServices:
         base = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         # A launcher started inside another job must not hand its own identity on.
         self._env = {k: v for k, v in base.items() if k not in _PER_PROCESS_VARS}
+        # Every process of a local job is ours, so it gets a fresh cluster secret unless
+        # the user chose one: no other process on this machine can join, push into or
+        # read the job (see the README's threat model).
+        if not self._env.get("BPSTRAIN_SECRET"):
+            self._env["BPSTRAIN_SECRET"] = secrets.token_hex(32)
         self._output, self._on_exit = output, on_exit
 
     def _common_env(self, role: str) -> dict[str, str]:

@@ -1,0 +1,153 @@
+"""bpstrain's wire protocol written a second time, in Python, for the fuzzer and the
+security tests: frames, the challenge-response handshake and the per-frame tags
+(``core_ext/src/secure_link.h`` is the specification). An independent implementation
+lets a test play a peer that follows the protocol exactly up to the point where it
+cheats (replays a proof, forges a tag, claims another rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+
+MAGIC = 0x32535042  # "BPS2"
+HEADER = struct.Struct("<IHHIiqQQQ")  # magic type flags meta_len sender arg key version body_len
+HELLO, WELCOME, DECLARE, BARRIER, HEARTBEAT, GOODBYE, ERROR, PUSH = 1, 2, 3, 5, 7, 8, 11, 12
+AUTH_HELLO, AUTH_CHALLENGE, AUTH_PROOF, AUTH_OK = 17, 18, 19, 20
+TAG = 16
+KEY_SALT, KEY_ITERATIONS = b"bpstrain cluster key v2", 100000
+
+
+def header(type_: int, meta_len: int = 0, body_len: int = 0, flags: int = 0, sender: int = -1,
+           arg: int = 0, key: int = 0, version: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, type_, flags, meta_len, sender, arg, key, version, body_len)
+
+
+def frame(type_: int, meta: bytes = b"", body: bytes = b"", **fields) -> bytes:
+    return header(type_, len(meta), len(body), **fields) + meta + body
+
+
+def s(value: bytes | str) -> bytes:
+    """A length-prefixed string, as MetaWriter::Str writes it."""
+    b = value.encode() if isinstance(value, str) else value
+    return struct.pack("<I", len(b)) + b
+
+
+def cluster_key(secret: str) -> bytes:
+    return hashlib.pbkdf2_hmac("sha256", secret.encode(), KEY_SALT, KEY_ITERATIONS) if secret else b""
+
+
+def _mac(key: bytes, label: str, nc: bytes, ns: bytes, identity: bytes) -> bytes:
+    return hmac.new(key, s(label) + s(nc) + s(ns) + s(identity), hashlib.sha256).digest()
+
+
+class Conn:
+    """A TCP connection that speaks frames; ``session()`` after a handshake adds tags."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1", timeout: float = 10.0):
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self.sent: list[bytes] = []  # every frame sent, as bytes: what an observer captures
+        self.send_key = self.recv_key = None
+        self.send_seq = self.recv_seq = 0
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send_raw(self, data: bytes) -> None:
+        self.sent.append(data)
+        self.sock.sendall(data)
+
+    def send(self, type_: int, meta: bytes = b"", body: bytes = b"", **fields) -> None:
+        if self.send_key is None:
+            return self.send_raw(frame(type_, meta, body, **fields))
+        seq = struct.pack("<Q", self.send_seq)
+        self.send_seq += 1
+        h = header(type_, len(meta) + 2 * TAG, len(body), **fields)
+        tag_h = hmac.new(self.send_key, seq + h + meta, hashlib.sha256).digest()[:TAG]
+        tag_b = hmac.new(self.send_key, seq + body, hashlib.sha256).digest()[:TAG] if body else bytes(TAG)
+        self.send_raw(h + meta + tag_h + tag_b + body)
+
+    def _exact(self, n: int) -> bytes | None:
+        out = b""
+        while len(out) < n:
+            chunk = self.sock.recv(n - len(out))
+            if not chunk:
+                return None
+            out += chunk
+        return out
+
+    def recv(self):
+        """(type, fields dict, meta, body) of the next frame (tags checked), or None at EOF."""
+        try:
+            raw = self._exact(HEADER.size)
+        except (ConnectionResetError, socket.timeout):
+            return None
+        if raw is None:
+            return None
+        magic, type_, flags, meta_len, sender, arg, key, version, body_len = HEADER.unpack(raw)
+        meta = self._exact(meta_len) or b""
+        body = self._exact(body_len) if body_len else b""
+        if self.recv_key is not None:
+            seq = struct.pack("<Q", self.recv_seq)
+            self.recv_seq += 1
+            payload, tag_h, tag_b = meta[:-2 * TAG], meta[-2 * TAG:-TAG], meta[-TAG:]
+            want = hmac.new(self.recv_key, seq + raw + payload, hashlib.sha256).digest()[:TAG]
+            if not hmac.compare_digest(want, tag_h):
+                raise ValueError("a frame from the engine failed authentication")
+            meta = payload
+        fields = dict(flags=flags, sender=sender, arg=arg, key=key, version=version)
+        return type_, fields, meta, body
+
+
+class Refused(Exception):
+    """The acceptor refused the handshake (its reason is the message)."""
+
+
+def handshake(conn: Conn, key: bytes, identity: str = "worker", check_acceptor: bool = True) -> None:
+    """The connecting side of the handshake; then ``conn`` tags every frame.
+
+    Raises:
+        Refused: the acceptor sent an error or closed the connection.
+        ValueError: the acceptor could not prove ``key``.
+    """
+    ident = identity.encode()
+    nc = os.urandom(32)
+    conn.send(AUTH_HELLO, s(nc) + s(ident) + struct.pack("<I", 1 if key else 0))
+    reply = conn.recv()
+    if reply is None or reply[0] == ERROR:
+        raise Refused(_reason(reply))
+    meta = reply[2]
+    n = struct.unpack_from("<I", meta)[0]
+    ns = meta[4:4 + n]
+    if not key:
+        return
+    proof_len = struct.unpack_from("<I", meta, 8 + n)[0]
+    proof = meta[12 + n:12 + n + proof_len]
+    if check_acceptor and not hmac.compare_digest(proof, _mac(key, "acceptor", nc, ns, ident)):
+        raise ValueError("the acceptor could not prove the key")
+    conn.send(AUTH_PROOF, s(_mac(key, "connector", nc, ns, ident)))
+    ok = conn.recv()
+    if ok is None or ok[0] != AUTH_OK:
+        raise Refused(_reason(ok))
+    conn.send_key = _mac(key, "connector->acceptor", nc, ns, ident)
+    conn.recv_key = _mac(key, "acceptor->connector", nc, ns, ident)
+
+
+def _reason(reply) -> str:
+    if reply is None:
+        return "closed the connection"
+    meta = reply[2]
+    if reply[0] == ERROR and len(meta) >= 4:
+        return meta[4:4 + struct.unpack_from("<I", meta)[0]].decode(errors="replace")
+    return f"frame type {reply[0]}"
+
+
+def worker_hello(rank: int = -1, role: int = 2) -> bytes:
+    """The registration hello: role, rank hint, listen endpoint, advertise host, pid,
+    hostname, local size, host id."""
+    endpoint = "127.0.0.1:9" if role == 1 else ""
+    return (struct.pack("<Iq", role, rank) + s(endpoint) + s("") + struct.pack("<q", os.getpid())
+            + s("fuzzer") + struct.pack("<I", 1) + s(""))
