@@ -284,6 +284,18 @@ def _validate(cfg: Config) -> None:
     _choice("trainer.device", t.device, schema.DEVICES)
     if not t.out_dir:
         raise _fail("trainer.out_dir", "a non-empty directory path", t.out_dir)
+    _choice("trainer.precision", t.precision, schema.PRECISIONS)
+    _choice("trainer.gradient_clip_algorithm", t.gradient_clip_algorithm,
+            schema.CLIP_ALGORITHMS)
+    if t.gradient_clip_val is not None and not t.gradient_clip_val > 0:
+        raise _fail("trainer.gradient_clip_val", "> 0 or null", t.gradient_clip_val)
+    _choice("trainer.monitor_mode", t.monitor_mode, schema.MONITOR_MODES)
+    _at_least("trainer.save_top_k", t.save_top_k, 0)
+    for name in t.loggers:
+        _choice("trainer.loggers[]", name, schema.LOGGERS)
+    if t.run_name is not None and (not t.run_name or "/" in t.run_name
+                                   or t.run_name in (".", "..")):
+        raise _fail("trainer.run_name", "a folder name (no '/') or null", t.run_name)
 
     if d.name is not None:
         _choice("data.name", d.name, schema.DATASETS)

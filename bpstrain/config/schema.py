@@ -32,6 +32,10 @@ DATASETS = ("synthetic", "digits", "image_folder")
 START_METHODS = ("auto", "spawn", "forkserver", "fork")
 DEVICES = ("auto", "cpu", "cuda")
 HIERARCHICAL = ("auto", "true", "false")
+PRECISIONS = ("32", "bf16", "16")
+CLIP_ALGORITHMS = ("norm", "value")
+MONITOR_MODES = ("auto", "min", "max")
+LOGGERS = ("csv", "tensorboard")
 _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -135,7 +139,7 @@ class TrainerConfig:
     loss: str = "cross_entropy"  # one of LOSSES
     seed: int = 0  # base seed; each rank seeds with seed + rank for its data order
     log_every: int = 10  # log metrics every N steps (rank 0)
-    out_dir: str = "runs"  # checkpoints, CSV logs, timeline and saved config go here
+    out_dir: str = "runs"  # each run gets a folder here: config, metrics, checkpoints
     device: str = "auto"  # "auto" (cuda if available), "cpu" or "cuda"
     progress: bool = True  # tqdm progress bar on rank 0
     throughput: bool = False  # print samples/s (all workers together)
@@ -144,8 +148,19 @@ class TrainerConfig:
     checkpoint_every: int = 0  # save a checkpoint every N epochs; 0 = off
     resume: Optional[str] = None  # checkpoint path, or "auto" = latest in out_dir
     early_stopping_patience: int = 0  # epochs without improvement; 0 = off
-    monitor: str = "val_loss"  # metric for early stopping / best checkpoint
-    timeline: bool = False  # write a Chrome trace of communication to out_dir
+    monitor: str = "val_loss"  # metric for early stopping / best checkpoints
+    monitor_mode: str = "auto"  # one of MONITOR_MODES; auto = max for accuracy-like names
+    save_top_k: int = 0  # keep the k best checkpoints by `monitor`; 0 = off
+    timeline: bool = False  # write a Chrome trace of communication to the run folder
+    # "32" (float32), "bf16" (bfloat16 autocast) or "16" (float16 autocast + GradScaler).
+    precision: str = "32"
+    gradient_clip_val: Optional[float] = None  # clip averaged gradients; null = off
+    gradient_clip_algorithm: str = "norm"  # one of CLIP_ALGORITHMS: total norm or value
+    loggers: List[str] = field(default_factory=lambda: ["csv"])  # subset of LOGGERS
+    epoch_summary: bool = True  # print one line of metrics per epoch (rank 0)
+    # Folder of this run inside out_dir; null = the next free version_N (a resumed run
+    # with resume=auto continues in the folder of its checkpoint).
+    run_name: Optional[str] = None
 
 
 @dataclass

@@ -17,13 +17,14 @@ of the job; with one worker it trains in this process. Callbacks:
 from bpstrain.trainer._local_cluster import RemoteTraceback, WorkerError
 from bpstrain.trainer.callbacks import (CSVLogger, Callback, CommTimeline, EarlyStopping,
                                         LearningRateSchedule, MetricAveraging, ModelCheckpoint,
-                                        ProgressBar, Throughput, find_last_checkpoint)
+                                        ProgressBar, TensorBoardLogger, Throughput,
+                                        find_last_checkpoint)
 from bpstrain.trainer.history import History
 from bpstrain.trainer.recipe import run_recipe
 from bpstrain.trainer.trainer import Trainer, launch_mode
 
 __all__ = [
     "CSVLogger", "Callback", "CommTimeline", "EarlyStopping", "History", "LearningRateSchedule",
-    "MetricAveraging", "ModelCheckpoint", "ProgressBar", "RemoteTraceback", "Throughput",
+    "MetricAveraging", "ModelCheckpoint", "ProgressBar", "RemoteTraceback", "TensorBoardLogger", "Throughput",
     "Trainer", "WorkerError", "find_last_checkpoint", "launch_mode", "run_recipe",
 ]

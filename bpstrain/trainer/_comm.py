@@ -53,11 +53,12 @@ class Comm:
             backward_passes_per_step=backward_passes_per_step)
 
     def broadcast_state(self, module, optimizer) -> None:
-        """Makes every rank start from rank 0's parameters and optimizer state."""
+        """Makes every rank start from rank 0's parameters and optimizer state (if any)."""
         if not self.distributed:
             return
         self._adapter().broadcast_parameters(module.state_dict(), root_rank=0)
-        self._adapter().broadcast_optimizer_state(optimizer, root_rank=0)
+        if optimizer is not None:
+            self._adapter().broadcast_optimizer_state(optimizer, root_rank=0)
 
     def broadcast_object(self, obj: Any, name: str) -> Any:
         """Rank 0's picklable ``obj`` on every rank (others pass anything, e.g. None)."""

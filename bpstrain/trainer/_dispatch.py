@@ -20,6 +20,8 @@ EVENTS: Dict[str, tuple] = {
     "train_start": ("on_train_start", None),
     "train_epoch_start": ("on_train_epoch_start", "on_epoch_begin"),
     "train_batch_start": ("on_train_batch_start", "on_train_batch_begin"),
+    "after_backward": ("on_after_backward", None),
+    "before_optimizer_step": ("on_before_optimizer_step", None),
     "train_batch_end": ("on_train_batch_end", "on_train_batch_end"),
     "validation_start": ("on_validation_start", "on_test_begin"),
     "validation_batch_end": ("on_validation_batch_end", None),
@@ -60,6 +62,8 @@ def _lightning_args(event: str, trainer, module, ctx: Dict[str, Any]) -> tuple:
         return (trainer, module, ctx["batch"], ctx["batch_idx"])
     if event in ("train_batch_end", "validation_batch_end"):
         return (trainer, module, ctx["outputs"], ctx["batch"], ctx["batch_idx"])
+    if event == "before_optimizer_step":
+        return (trainer, module, ctx["optimizer"])
     if event in ("save_checkpoint", "load_checkpoint"):
         return (trainer, module, ctx["checkpoint"])
     if event == "exception":

@@ -100,6 +100,7 @@ class LocalClusterLauncher:
         import cloudpickle
 
         config = OmegaConf.to_container(self.trainer.config, resolve=True)
+        config["trainer"]["run_name"] = self.trainer.run_name  # the folder named here
         try:
             blob = cloudpickle.dumps((config, self.trainer.callbacks, model, data, val_data))
         except Exception as exc:
@@ -145,6 +146,10 @@ class LocalClusterLauncher:
                 proc.start()
                 self.procs.append(proc)
             results = self._supervise(messages, sink)
+        except KeyboardInterrupt:
+            sink.close()
+            sink.write("interrupted: stopping the local cluster's processes", stderr=True)
+            raise
         finally:
             sink.close()
             self.stop()
@@ -246,10 +251,13 @@ class LocalClusterLauncher:
         The launcher's teardown (SIGTERM, then SIGKILL after a grace period, a second
         Ctrl-C ignored meanwhile) stops workers and services together.
         """
-        from bpstrain.launch._procs import stop_children
+        from bpstrain.launch._procs import mute, stop_children
 
         live = [(rank, p) for rank, p in enumerate(self.procs) if id(p) not in self._closed]
         services = self.services.children if self.services is not None else []
+        # Whatever the services say from now on is about this stop (a worker "closed its
+        # connection" because we stopped it), not about what caused it.
+        mute(services)
         stop_children([*(_WorkerProcess(rank, p) for rank, p in live), *services], _GRACE_S)
         for _, proc in live:
             if proc.exitcode is not None:

@@ -3,7 +3,10 @@
 The loss comes from ``module.training_step(batch, batch_idx)`` when the module has
 one (a tensor, or a dict with ``"loss"`` and other scalars to log), else from
 ``trainer.loss`` applied to ``module(x)`` and ``y`` of an ``(x, y)`` batch.
-Validation uses ``validation_step`` the same way (metrics get a ``val_`` prefix).
+Validation uses ``validation_step`` the same way (metrics get a ``val_`` prefix),
+testing ``test_step`` (``test_`` prefix). Precision, loss scaling and clipping:
+:mod:`bpstrain.trainer._precision`; schedulers from ``configure_optimizers``:
+:mod:`bpstrain.trainer._optim`.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from typing import Any, Dict
 
 import torch
 
+from bpstrain.config import ConfigError
 from bpstrain.trainer import _data, _optim
 from bpstrain.trainer._dispatch import fire
+from bpstrain.trainer._precision import Precision, optimizer_step
 from bpstrain.trainer.callbacks.checkpoint import find_last_checkpoint, read_checkpoint
 from bpstrain.trainer.history import History
 
@@ -25,11 +30,17 @@ Sums = Dict[str, list]
 def pick_device(name: str, local_rank: int) -> torch.device:
     """``trainer.device`` -> a torch device; one GPU per local rank."""
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("trainer.device=cuda but torch sees no CUDA device. "
-                               "Received: trainer.device='cuda'")
+        check_device(name)
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def check_device(name: str) -> None:
+    """Raises ConfigError for ``trainer.device=cuda`` on a machine without CUDA."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("Config key 'trainer.device' is 'cuda' but torch sees no CUDA device "
+                          f"(torch {torch.__version__}); use trainer.device=auto or cpu. "
+                          "Received: trainer.device='cuda'")
 
 
 def _add(sums: Sums, key: str, total: float, count: float) -> None:
@@ -57,10 +68,12 @@ class _Steps:
         self.loss_fn = None if self.custom else _optim.build_loss(loss_name)
         self.correct = None if self.custom else _optim.accuracy_fn(loss_name)
 
-    def __call__(self, batch, batch_idx: int, validation: bool) -> Dict[str, Any]:
+    def __call__(self, batch, batch_idx: int, validation: bool, stage: str = "") -> Dict[str, Any]:
         if self.custom:
-            step = getattr(self.module, "validation_step", None) if validation else None
-            step = step if callable(step) else self.module.training_step
+            names = {"test": ("test_step", "validation_step")}.get(
+                stage, ("validation_step",) if validation else ())
+            step = next((getattr(self.module, n) for n in names
+                         if callable(getattr(self.module, n, None))), self.module.training_step)
             return _step_outputs(step(batch, batch_idx), step.__name__)
         if not (isinstance(batch, (list, tuple)) and len(batch) >= 2):
             raise TypeError("With trainer.loss the batches must be (x, y) pairs; for other "
@@ -111,6 +124,12 @@ def _restore(trainer, module, optimizer) -> None:
     module.load_state_dict(ckpt["model"])
     if ckpt.get("optimizer") is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
+    trainer.precision_plugin.load_state_dict(ckpt.get("grad_scaler") or {})
+    for spec, state in zip(trainer.lr_schedulers, ckpt.get("lr_schedulers") or []):
+        spec.scheduler.load_state_dict(state)
+    if ckpt.get("lr_schedulers_pending"):  # saved at epoch end, before its scheduler step
+        last = (ckpt.get("history") or {}).get("epochs") or [{}]
+        _step_epoch_schedulers(trainer, int(ckpt["epoch"]), last[-1])
     trainer.resumed = True
     trainer.current_epoch = int(ckpt["epoch"]) + 1
     trainer.global_step = int(ckpt.get("global_step", 0))
@@ -125,37 +144,58 @@ def _restore(trainer, module, optimizer) -> None:
     trainer.print(f"resumed from {path} (epoch {trainer.current_epoch})")
 
 
-def _build_optimizer(trainer, module):
+def _build_optimizer(trainer, module) -> tuple:
+    """``(optimizer, [SchedulerSpec])`` from ``configure_optimizers`` or the config."""
     configure = getattr(module, "configure_optimizers", None)
-    if callable(configure):
-        optimizer = configure()
-        if isinstance(optimizer, (list, tuple)) and len(optimizer) == 1:
-            optimizer = optimizer[0]
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError("configure_optimizers() must return one torch optimizer. "
-                            f"Received: {type(optimizer).__name__}")
-        return optimizer
-    return _optim.build_optimizer(trainer.config.optimizer, module.parameters(), trainer.size)
+    if not callable(configure):
+        return _optim.build_optimizer(trainer.config.optimizer, module.parameters(),
+                                      trainer.size), []
+    optimizer, specs = _optim.parse_configure_optimizers(configure())
+    o = trainer.config.optimizer
+    if specs and (o.warmup_epochs > 0 or o.schedule != "constant"):
+        raise ConfigError("configure_optimizers() returned LR schedulers and the config sets "
+                          "optimizer.warmup_epochs/optimizer.schedule too; both would set the "
+                          "learning rate. Keep one. Received: "
+                          f"optimizer.warmup_epochs={o.warmup_epochs}, "
+                          f"optimizer.schedule={o.schedule!r}")
+    return optimizer, specs
 
 
-def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
-    """Trains ``module`` on this rank's shard of ``data``; returns the history."""
+def _step_epoch_schedulers(trainer, epoch: int, logs: Dict[str, Any]) -> None:
+    for spec in trainer.lr_schedulers:
+        if spec.interval == "epoch" and (epoch + 1) % spec.frequency == 0:
+            spec.step(logs)
+
+
+def setup_module(trainer, module) -> torch.device:
+    """Seeds this rank, picks its device and moves ``module`` there."""
     cfg, comm = trainer.config, trainer.comm
     device = pick_device(cfg.trainer.device, comm.local_rank)
     if device.type == "cpu" and comm.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.local_size))
     torch.manual_seed(int(cfg.trainer.seed) + trainer.rank)  # dropout etc. differ per rank
     module.to(device)
+    trainer.precision_plugin = Precision(str(cfg.trainer.precision), device)
+    return device
+
+
+def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
+    """Trains ``module`` on this rank's shard of ``data``; returns the history."""
+    cfg, comm = trainer.config, trainer.comm
+    device = setup_module(trainer, module)
+    precision = trainer.precision_plugin
     train_dl = _data.train_loader(data, cfg, trainer.rank, trainer.size)
     val_dl = _data.val_loader(val_data, cfg, trainer.rank, trainer.size)
     passes = int(cfg.optimizer.backward_passes_per_step)
     steps = min(len(train_dl), cfg.trainer.steps or len(train_dl))
     trainer.num_training_batches = max(steps - steps % passes, min(steps, passes))
-    optimizer = _build_optimizer(trainer, module)
+    optimizer, trainer.lr_schedulers = _build_optimizer(trainer, module)
     trainer.module, trainer.optimizer = module, optimizer
     _restore(trainer, module, optimizer)
     trainer.optimizer = comm.wrap_optimizer(optimizer, module, passes)
+    _optim.rebind_schedulers(trainer.lr_schedulers, trainer.optimizer)
     comm.broadcast_state(module, optimizer)
+    step_schedulers = [s for s in trainer.lr_schedulers if s.interval == "step"]
     run = _Steps(module, cfg.trainer.loss)
     callbacks = trainer.callbacks
 
@@ -175,12 +215,17 @@ def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
             trainer.last_batch_size = n = _data.batch_size_of(batch)
             fire(callbacks, "train_batch_start", trainer, module, batch=batch, batch_idx=batch_idx,
                  logs={})
-            outputs = run(batch, batch_idx, validation=False)
-            (outputs["loss"] / passes).backward()
+            with precision.autocast():
+                outputs = run(batch, batch_idx, validation=False)
+            precision.backward(outputs["loss"].float() / passes)
+            fire(callbacks, "after_backward", trainer, module)
             if (batch_idx + 1) % passes == 0:
-                trainer.optimizer.step()
+                optimizer_step(trainer, module, precision, fire)
                 trainer.optimizer.zero_grad()
                 trainer.global_step += 1
+                for spec in step_schedulers:
+                    if trainer.global_step % spec.frequency == 0:
+                        spec.step(trainer.logs)
             logged = _accumulate(trainer.train_sums, outputs, n)
             trainer.progress_step = epoch * trainer.num_training_batches + batch_idx + 1
             fire(callbacks, "train_batch_end", trainer, module, outputs=logged, batch=batch,
@@ -189,7 +234,12 @@ def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
         every = int(cfg.trainer.val_every)
         if val_dl is not None and every and (epoch + 1) % every == 0:
             _validate(trainer, module, val_dl, run, device)
+        trainer.logs["lr"] = _lr(trainer.optimizer)  # the rate this epoch trained with
+        trainer.schedulers_pending = bool(trainer.lr_schedulers)
         fire(callbacks, "train_epoch_end", trainer, module, epoch=epoch, logs=trainer.logs)
+        # After the callbacks: plateau schedulers see the averaged metrics.
+        _step_epoch_schedulers(trainer, epoch, trainer.logs)
+        trainer.schedulers_pending = False
         trainer.history.append({"epoch": epoch, **trainer.logs})
         trainer.epochs_completed += 1
         if trainer.should_stop:
@@ -199,21 +249,29 @@ def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
     return trainer.history
 
 
+def _lr(optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
 @torch.no_grad()
 def _validate(trainer, module, loader, run: _Steps, device) -> None:
+    """One validation pass: ``val_*`` metrics into ``trainer.logs`` (averaged over ranks
+    by MetricAveraging at ``on_validation_end``)."""
     callbacks = trainer.callbacks
+    limit = trainer.config.trainer.val_steps
+    trainer.num_val_batches = len(loader) if limit is None else min(len(loader), int(limit))
     module.eval()
     trainer.val_sums = {}
     # Every rank reports the same keys even with an empty shard (the sums are reduced).
     for key in ("loss",) + (("accuracy",) if run.correct is not None else ()):
         trainer.val_sums["val_" + key] = [0.0, 0.0]
     fire(callbacks, "validation_start", trainer, module, logs=trainer.logs)
-    limit = trainer.config.trainer.val_steps
     for batch_idx, batch in enumerate(loader):
         if limit is not None and batch_idx >= limit:
             break
         batch = _data.to_device(batch, device)
-        outputs = run(batch, batch_idx, validation=True)
+        with trainer.precision_plugin.autocast():
+            outputs = run(batch, batch_idx, validation=True)
         logged = _accumulate(trainer.val_sums, outputs, _data.batch_size_of(batch), "val_")
         fire(callbacks, "validation_batch_end", trainer, module, outputs=logged, batch=batch,
              batch_idx=batch_idx)

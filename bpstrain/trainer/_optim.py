@@ -70,3 +70,126 @@ def accuracy_fn(loss_name: str) -> Optional[Callable]:
             return float(((output > 0).to(target.dtype) == target).sum())
         return correct_binary
     return None
+
+
+# ------------------------------------------------------------- configure_optimizers
+
+_INTERVALS = ("epoch", "step")
+
+
+class SchedulerSpec:
+    """One LR scheduler from ``configure_optimizers`` and when it steps (Lightning's dict).
+
+    Attributes:
+        scheduler: The torch LR scheduler.
+        interval: ``"epoch"`` (after each epoch's validation) or ``"step"`` (after each
+            optimizer step).
+        frequency: Step it every this many intervals.
+        monitor: Metric passed to ``ReduceLROnPlateau.step`` (default ``val_loss``).
+    """
+
+    def __init__(self, scheduler: Any, interval: str = "epoch", frequency: int = 1,
+                 monitor: Optional[str] = None):
+        if interval not in _INTERVALS:
+            raise ValueError("lr_scheduler 'interval' must be 'epoch' or 'step'. "
+                             f"Received: interval={interval!r}")
+        if int(frequency) < 1:
+            raise ValueError(f"lr_scheduler 'frequency' must be >= 1. Received: {frequency}")
+        self.scheduler, self.interval, self.frequency = scheduler, interval, int(frequency)
+        self.plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        self.monitor = monitor or ("val_loss" if self.plateau else None)
+
+    def step(self, logs: dict) -> None:
+        """Steps the scheduler (a plateau scheduler with the monitored metric)."""
+        if not self.plateau:
+            self.scheduler.step()
+            return
+        if self.monitor not in logs:
+            raise KeyError(f"ReduceLROnPlateau monitors {self.monitor!r}, which is not in the "
+                           f"epoch logs ({', '.join(logs)}); set 'monitor' in the lr_scheduler "
+                           f"dict of configure_optimizers. Received: monitor={self.monitor!r}")
+        self.scheduler.step(float(logs[self.monitor]))
+
+
+def _scheduler_spec(item: Any) -> SchedulerSpec:
+    if isinstance(item, SchedulerSpec):
+        return item
+    if isinstance(item, dict):
+        if "scheduler" not in item:
+            raise TypeError("An lr_scheduler dict needs a 'scheduler' key (Lightning's "
+                            f"format). Received: keys {sorted(item)}")
+        unknown = set(item) - {"scheduler", "interval", "frequency", "monitor", "name",
+                               "strict"}
+        if unknown:
+            raise TypeError(f"Unknown lr_scheduler keys {sorted(unknown)}; expected scheduler, "
+                            "interval, frequency, monitor. Received: " + str(sorted(item)))
+        return SchedulerSpec(item["scheduler"], item.get("interval", "epoch"),
+                             item.get("frequency", 1), item.get("monitor"))
+    if hasattr(item, "step") and hasattr(item, "optimizer"):
+        return SchedulerSpec(item)
+    raise TypeError("An lr scheduler must be a torch LR scheduler or a dict with 'scheduler'. "
+                    f"Received: {type(item).__name__}")
+
+
+def parse_configure_optimizers(result: Any) -> tuple:
+    """``(optimizer, [SchedulerSpec])`` from what ``configure_optimizers()`` returned.
+
+    Accepted (Lightning's forms, one optimizer): an optimizer; ``[optimizer]``;
+    ``([optimizer], [scheduler, ...])``; ``{"optimizer": opt, "lr_scheduler": sched or
+    {"scheduler": sched, "interval": "step", "frequency": 1, "monitor": "val_loss"}}``.
+
+    Raises:
+        TypeError: Another form, or more than one optimizer.
+    """
+    schedulers: list = []
+    if isinstance(result, dict):
+        if "optimizer" not in result:
+            raise TypeError("configure_optimizers() returned a dict without 'optimizer'. "
+                            f"Received: keys {sorted(result)}")
+        optimizer, sched = result["optimizer"], result.get("lr_scheduler")
+        schedulers = [] if sched is None else [sched]
+    elif (isinstance(result, (list, tuple)) and len(result) == 2
+          and isinstance(result[0], (list, tuple)) and isinstance(result[1], (list, tuple))):
+        optimizers, schedulers = list(result[0]), list(result[1])
+        if len(optimizers) != 1:
+            raise TypeError("configure_optimizers() must return one optimizer (the Trainer "
+                            "averages one optimizer's gradients). "
+                            f"Received: {len(optimizers)} optimizers")
+        optimizer = optimizers[0]
+    elif isinstance(result, (list, tuple)):
+        if len(result) != 1:
+            raise TypeError("configure_optimizers() must return one optimizer (the Trainer "
+                            f"averages one optimizer's gradients). Received: {len(result)} items")
+        optimizer = result[0]
+    else:
+        optimizer = result
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("configure_optimizers() must return a torch optimizer, optionally with "
+                        f"LR schedulers. Received: {type(optimizer).__name__}")
+    specs = [_scheduler_spec(s) for s in schedulers]
+    for spec in specs:
+        if spec.scheduler.optimizer is not optimizer:
+            raise TypeError("Each LR scheduler of configure_optimizers() must drive the "
+                            "returned optimizer. Received: a scheduler of another optimizer")
+    return optimizer, specs
+
+
+def rebind_schedulers(specs: list, optimizer: Any) -> None:
+    """Points the schedulers at the (distributed) optimizer that replaced theirs.
+
+    The wrapper shares the param groups, so learning rates already reach it; this also
+    marks its ``step`` the way torch schedulers do, so they do not warn that
+    ``optimizer.step()`` was never called.
+    """
+    for spec in specs:
+        if spec.scheduler.optimizer is optimizer:
+            continue
+        spec.scheduler.optimizer = optimizer
+        step = optimizer.step
+        if not hasattr(step, "_wrapped_by_lr_sched"):
+            def tracked(*args, _step=step, **kwargs):
+                optimizer._opt_called = True
+                return _step(*args, **kwargs)
+
+            tracked._wrapped_by_lr_sched = True
+            optimizer.step = tracked

@@ -60,17 +60,25 @@ def comm_options(config: DictConfig) -> Dict[str, Any]:
     return options
 
 
+LOGGER_TYPES = (cbs.CSVLogger, cbs.TensorBoardLogger)
+
+
 def default_callbacks(config: DictConfig, given: Iterable[cbs.Callback] = ()) -> List[cbs.Callback]:
     """The built-ins the config asks for, except types already in ``given``; then ``given``."""
     t, o = config.trainer, config.optimizer
     wanted: List[cbs.Callback] = [cbs.MetricAveraging(), cbs.Throughput(verbose=t.throughput),
-                                  cbs.LearningRateSchedule.from_config(o), cbs.CSVLogger()]
+                                  cbs.LearningRateSchedule.from_config(o)]
+    if "csv" in t.loggers:
+        wanted.append(cbs.CSVLogger())
+    if "tensorboard" in t.loggers:
+        wanted.append(cbs.TensorBoardLogger())
     if t.progress:
-        wanted.append(cbs.ProgressBar())
+        wanted.append(cbs.ProgressBar(print_metrics=bool(t.epoch_summary)))
     if t.early_stopping_patience:
-        wanted.append(cbs.EarlyStopping(t.monitor, t.early_stopping_patience))
-    if t.checkpoint_every:
-        wanted.append(cbs.ModelCheckpoint(every_n_epochs=t.checkpoint_every))
+        wanted.append(cbs.EarlyStopping(t.monitor, t.early_stopping_patience, t.monitor_mode))
+    if t.checkpoint_every or t.save_top_k:
+        wanted.append(cbs.ModelCheckpoint(every_n_epochs=t.checkpoint_every, monitor=t.monitor,
+                                          mode=t.monitor_mode, save_top_k=t.save_top_k))
     if t.timeline:
         wanted.append(cbs.CommTimeline())
     given = list(given)
@@ -89,23 +97,29 @@ class Trainer:
 
     Attributes (read by callbacks):
         config, callbacks, comm, rank, size, local_rank, is_global_zero, module,
-        optimizer, current_epoch, global_step, epochs_completed, max_epochs,
-        num_training_batches, logs, train_sums, val_sums, history, should_stop,
-        resumed, out_dir, progress_sink.
+        optimizer, lr_schedulers, precision_plugin, current_epoch, global_step,
+        epochs_completed, max_epochs, num_training_batches, num_val_batches, logs,
+        train_sums, val_sums, history, should_stop, resumed, out_dir, run_name, run_dir,
+        loggers, last_grad_norm, progress_sink.
     """
 
     def __init__(self, config: Any = None, callbacks: Optional[Iterable[cbs.Callback]] = None):
         self.config = load_config(config)
         self.callbacks = ordered(default_callbacks(self.config, callbacks or ()))
         self.progress_sink = None
+        self.run_name: Optional[str] = None
         self._reset()
 
     def _reset(self) -> None:
         self.comm = None
         self.rank, self.size, self.local_rank = 0, 1, 0
-        self.module = self.optimizer = None
+        self.module = self.optimizer = self.precision_plugin = None
+        self.lr_schedulers: list = []
+        self.schedulers_pending = False
+        self.last_grad_norm: Optional[float] = None
         self.current_epoch = self.global_step = self.epochs_completed = 0
-        self.num_training_batches = self.progress_step = self.last_batch_size = 0
+        self.num_training_batches = self.num_val_batches = 0
+        self.progress_step = self.last_batch_size = 0
         self.logs: Dict[str, Any] = {}
         self.train_sums = self.val_sums = None
         self.history = History()
@@ -120,8 +134,19 @@ class Trainer:
 
     @property
     def out_dir(self) -> Path:
-        """``trainer.out_dir``: checkpoints, CSV and timeline go here."""
+        """``trainer.out_dir``: every run gets its own folder in it (:attr:`run_dir`)."""
         return Path(self.config.trainer.out_dir)
+
+    @property
+    def run_dir(self) -> Path:
+        """``<out_dir>/<run_name>``: config.yaml, metrics.csv, checkpoints/, TensorBoard
+        events and the timeline of the current (or last) fit; ``out_dir`` before one."""
+        return self.out_dir / self.run_name if self.run_name else self.out_dir
+
+    @property
+    def loggers(self) -> List[cbs.Callback]:
+        """The logger callbacks (CSV, TensorBoard) of this Trainer (``trainer.loggers``)."""
+        return [cb for cb in self.callbacks if isinstance(cb, LOGGER_TYPES)]
 
     @property
     def is_global_zero(self) -> bool:
@@ -172,28 +197,62 @@ class Trainer:
             val_data = val_data if val_data is not None else ConfigData(
                 OmegaConf.to_container(self.config), "val")
         mode = launch_mode(self.config)
+        self._check_device(model)
+        from bpstrain.trainer._run_dir import resolve_run_name
+
+        # One process names the run folder: this one, or rank 0 of a launched job.
+        self.run_name = resolve_run_name(self.config.trainer) if mode != "rank" else None
         if mode == "local_cluster":
             from bpstrain.trainer._local_cluster import LocalClusterLauncher
 
             return LocalClusterLauncher(self).launch(model, data, val_data)
         from bpstrain.trainer.callbacks.progress import TqdmSink
 
-        return self.fit_rank(model, data, val_data, TqdmSink(), joined=mode == "rank")
+        return self.fit_rank(model, data, val_data, TqdmSink(), joined=mode == "rank",
+                             run_name=self.run_name)
 
-    def fit_rank(self, model: Any, data: Any, val_data: Any, sink: Any, joined: bool) -> History:
+    def _check_device(self, model: Any) -> None:
+        if not is_keras_model(model) and self.config.trainer.device == "cuda":
+            from bpstrain.trainer._loop import check_device
+
+            check_device("cuda")
+
+    def _open(self, sink: Any = None) -> None:
+        """Joins (or starts) the engine; sets rank, size and the progress sink."""
+        from bpstrain.trainer._comm import Comm
+
+        self.comm = Comm(comm_options(self.config))
+        self.rank, self.size, self.local_rank = self.comm.rank, self.comm.size, self.comm.local_rank
+        self.progress_sink = sink if self.is_global_zero else None
+
+    def _start_run(self, run_name: Optional[str]) -> None:
+        """Names the run folder on every rank and saves the resolved config there."""
+        from bpstrain.config import save_config
+        from bpstrain.trainer._run_dir import resolve_run_name
+
+        name = run_name or self.config.trainer.run_name
+        if name is None:
+            name = resolve_run_name(self.config.trainer) if self.is_global_zero else None
+            name = self.comm.broadcast_object(name, "trainer.run_name")
+        self.run_name = name
+        if self.is_global_zero:
+            config = OmegaConf.to_container(self.config)
+            config["trainer"]["run_name"] = name
+            save_config(config, self.run_dir / "config.yaml")
+
+    def fit_rank(self, model: Any, data: Any, val_data: Any, sink: Any, joined: bool,
+                 run_name: Optional[str] = None) -> History:
         """Runs ``fit`` as one rank of whatever job the environment describes.
 
         Args:
             sink: Where rank 0's progress bar draws (ignored on other ranks).
             joined: Inside a job launched by someone else: leave the engine running.
+            run_name: The run folder chosen by the caller (None: config's, or rank 0's).
         """
-        from bpstrain.trainer._comm import Comm
-
         self._reset()
-        self.comm = Comm(comm_options(self.config))
-        self.rank, self.size, self.local_rank = self.comm.rank, self.comm.size, self.comm.local_rank
-        self.progress_sink = sink if self.is_global_zero else None
+        self._open(sink)
         try:
+            self._start_run(run_name)
             if is_keras_model(model):
                 from bpstrain.trainer._keras import fit_keras
 
@@ -206,6 +265,64 @@ class Trainer:
             raise
         finally:
             self.comm.close(leave_engine=joined)
+
+    # ------------------------------------------------------------------------ evaluation
+
+    def _evaluate(self, what: str, model: Any, data: Any) -> Any:
+        """The funnel of validate/test/predict: one rank of a job, or this process.
+
+        Evaluation averages no gradients, so outside a launched job it runs here, in
+        this process, on all of ``data`` (a notebook needs no cluster for it).
+        """
+        if is_keras_model(model):
+            raise TypeError(f"Trainer.{what} supports torch modules; for a Keras model call "
+                            f"model.evaluate() / model.predict(). Received: {type(model).__name__}")
+        self._check_device(model)
+        from bpstrain.trainer import _evaluate
+        from bpstrain.trainer.callbacks.progress import TqdmSink
+
+        joined = launch_mode(self.config) == "rank"
+        sink = TqdmSink()
+        self._open(sink)
+        try:
+            return getattr(_evaluate, f"{what}_torch")(self, model, data)
+        except BaseException as exc:
+            fire(self.callbacks, "exception", self, model, exception=exc)
+            raise
+        finally:
+            sink.close()
+            self.comm.close(leave_engine=joined)
+
+    def validate(self, model: Any, data: Any) -> Dict[str, float]:
+        """Validation metrics of ``model`` on ``data`` (Lightning's ``trainer.validate``).
+
+        Args:
+            model: A ``torch.nn.Module`` (``validation_step``, else ``trainer.loss``).
+            data: Any form ``fit`` accepts.
+
+        Returns:
+            ``{"val_loss": ..., "val_accuracy": ...}``, exact sample-weighted means over
+            all ranks' shards.
+        """
+        return self._evaluate("validate", model, data)
+
+    def test(self, model: Any, data: Any) -> Dict[str, float]:
+        """Test metrics (``test_step``, else ``validation_step``, else ``trainer.loss``).
+
+        Returns:
+            ``{"test_loss": ..., "test_accuracy": ...}`` over all of ``data``.
+        """
+        return self._evaluate("test", model, data)
+
+    def predict(self, model: Any, data: Any) -> List[Any]:
+        """Outputs of ``model`` on ``data``, one CPU tensor (or structure) per batch.
+
+        Uses ``predict_step(batch, batch_idx)`` when the module has one, else
+        ``model(x)`` for the first element of each batch. ``data`` may also be one
+        array of inputs. In a launched job each rank returns its strided shard's
+        outputs (sample i goes to rank i % size); elsewhere the outputs are in order.
+        """
+        return self._evaluate("predict", model, data)
 
     def checkpoint_state(self) -> Dict[str, Any]:
         """Everything a resume needs, as one picklable dict (torch models)."""
@@ -229,6 +346,10 @@ class Trainer:
             "history": history,
             "config": OmegaConf.to_container(self.config, resolve=True),
             "rng": torch.get_rng_state(), "bpstrain_version": __version__,
+            "grad_scaler": self.precision_plugin.state_dict() if self.precision_plugin else {},
+            "lr_schedulers": [s.scheduler.state_dict() for s in self.lr_schedulers],
+            "lr_schedulers_pending": self.schedulers_pending,
+            "run_name": self.run_name,
         }
         fire(self.callbacks, "save_checkpoint", self, self.module, checkpoint=state)
         return state

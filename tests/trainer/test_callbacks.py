@@ -100,8 +100,9 @@ def test_early_stopping_stops_a_fit(tmp_path):
 def test_csv_logger_writes_one_row_per_epoch_with_late_columns(tmp_path):
     x, y = blobs(64)
     cfg = base_config(tmp_path, **{"trainer.epochs": 3, "trainer.val_every": 2})
-    Trainer(cfg).fit(tiny_net(), (x, y), val_data=(x, y))
-    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    trainer = Trainer(cfg)
+    trainer.fit(tiny_net(), (x, y), val_data=(x, y))
+    lines = (trainer.run_dir / "metrics.csv").read_text().splitlines()
     header = lines[0].split(",")
     assert header[:3] == ["epoch", "loss", "accuracy"] and "val_loss" in header
     assert len(lines) == 4

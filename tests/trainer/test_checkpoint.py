@@ -15,8 +15,8 @@ def test_resume_from_last_checkpoint_continues_training(tmp_path):
     cfg = base_config(tmp_path, **{"trainer.epochs": 2, "trainer.checkpoint_every": 1})
     Trainer(cfg, callbacks=[first]).fit(tiny_net(), (x, y), val_data=(x, y))
     last = find_last_checkpoint(tmp_path)
-    assert last == tmp_path / "checkpoints" / "last.ckpt"
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("epoch=*.ckpt")) == [
+    assert last == tmp_path / "version_0" / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in last.parent.glob("epoch=*.ckpt")) == [
         "epoch=0000.ckpt", "epoch=0001.ckpt"]
     ckpt = read_checkpoint(last)
     assert ckpt["epoch"] == 1 and ckpt["global_step"] == 8
@@ -33,7 +33,8 @@ def test_resume_from_last_checkpoint_continues_training(tmp_path):
     assert resumed.calls.count("on_train_epoch_end") == 2
     assert trainer.global_step == 16
     assert history["val_accuracy"][-1] > 0.9
-    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert trainer.run_dir == tmp_path / "version_0"  # resume=auto continues that run
+    lines = (trainer.run_dir / "metrics.csv").read_text().splitlines()
     assert len(lines) == 5  # header + 4 epochs: the CSV continued
 
 

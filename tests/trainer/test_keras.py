@@ -33,7 +33,7 @@ def test_keras_model_fits_with_trainer_callbacks(tmp_path):
     assert history.last["val_accuracy"] > 0.9
     assert history["lr"][0] == pytest.approx(0.01)  # warm-up ends with epoch 0
     assert history.last["samples_per_s"] > 0
-    assert (tmp_path / "metrics.csv").read_text().count("\n") == 4
+    assert (trainer.run_dir / "metrics.csv").read_text().count("\n") == 4
 
 
 @pytest.mark.timeout(60)

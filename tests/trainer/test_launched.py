@@ -30,6 +30,9 @@ def test_fit_runs_as_one_rank_of_a_launched_job(tmp_path):
             for r in results]
     assert same[0] == same[1] and len(same[0]) == 2
     assert results[0]["last"][0]["val_accuracy"] > 0.8
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()  # written by rank 0 only
+    # Rank 0 named the run folders (one per fit) and wrote the checkpoints.
+    assert (tmp_path / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "version_1" / "config.yaml").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["version_0", "version_1"]
     # 256 samples / 2 ranks / 32 per batch = 4 batches per epoch; 2 passes per step.
     assert [r["steps"] for r in results] == [[8, 2], [8, 2]]

@@ -61,6 +61,14 @@ class Callback:
     def on_train_batch_start(self, trainer, module, batch, batch_idx: int) -> None:
         """Before the forward pass of a training batch."""
 
+    def on_after_backward(self, trainer, module) -> None:
+        """After ``loss.backward()`` of a batch: this rank's own (not yet averaged, and with
+        ``trainer.precision=16`` still scaled) gradients are in ``p.grad``."""
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        """Right before ``optimizer.step()``: gradients are averaged over ranks and
+        unscaled; gradient clipping (``trainer.gradient_clip_val``) comes after this."""
+
     def on_train_batch_end(self, *args, **kwargs) -> None:
         """After a training step.
 

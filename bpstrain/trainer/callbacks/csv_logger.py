@@ -18,16 +18,16 @@ class CSVLogger(Callback):
     part of the checkpointed state, so a resumed run continues the same file.
 
     Args:
-        path: The CSV file; default ``<trainer.out_dir>/metrics.csv``.
+        path: The CSV file; default ``<run folder>/metrics.csv`` (a new file per run).
     """
 
     def __init__(self, path: Optional[Union[str, os.PathLike]] = None):
-        self.path = Path(path) if path is not None else None
+        self.given_path = Path(path) if path is not None else None
+        self.path = self.given_path
         self.rows: List[Dict[str, Any]] = []
 
     def on_fit_start(self, trainer, module) -> None:
-        if self.path is None:
-            self.path = Path(trainer.out_dir) / "metrics.csv"
+        self.path = self.given_path or Path(trainer.run_dir) / "metrics.csv"
         # Rows from epochs a resumed run will redo are dropped.
         self.rows = [r for r in self.rows if int(r.get("epoch", -1)) < trainer.current_epoch]
 

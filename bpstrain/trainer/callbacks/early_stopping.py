@@ -7,6 +7,7 @@ import warnings
 from typing import Any, Dict, Optional
 
 from bpstrain.trainer.callbacks.base import Callback
+from bpstrain.trainer.callbacks.checkpoint import monitor_mode
 
 
 class EarlyStopping(Callback):
@@ -26,11 +27,7 @@ class EarlyStopping(Callback):
                  min_delta: float = 0.0):
         if patience < 1:
             raise ValueError(f"patience must be >= 1. Received: patience={patience}")
-        if mode not in ("min", "max", "auto"):
-            raise ValueError(f"mode must be 'min', 'max' or 'auto'. Received: mode={mode!r}")
-        if mode == "auto":
-            mode = "max" if any(w in monitor for w in ("acc", "auc", "f1", "precision",
-                                                       "recall")) else "min"
+        mode = monitor_mode(monitor, mode)
         self.monitor, self.patience, self.mode = monitor, patience, mode
         self.min_delta = abs(min_delta)
         self.best: Optional[float] = None

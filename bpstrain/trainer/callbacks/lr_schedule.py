@@ -105,7 +105,7 @@ class LearningRateSchedule(Callback):
         set_lrs(trainer.optimizer, [base * factor for base in self.base_lrs])
 
     def on_train_epoch_end(self, trainer, module) -> None:
-        trainer.logs["lr"] = get_lrs(trainer.optimizer)[0]
+        trainer.logs.setdefault("lr", get_lrs(trainer.optimizer)[0])
 
     def state_dict(self) -> Dict[str, Any]:
         return {"base_lrs": self.base_lrs}

@@ -22,26 +22,28 @@ class MetricAveraging(Callback):
     _dispatch_first = True
 
     def on_validation_end(self, trainer, module) -> None:
-        self._average(trainer, trainer.val_sums, "val")
+        average_sums(trainer, trainer.val_sums, "val")
 
     def on_train_epoch_end(self, trainer, module) -> None:
         sums = trainer.train_sums
         if sums is None:  # plain logs: unweighted mean of every numeric value
             sums = {k: (float(v), 1.0) for k, v in trainer.logs.items()
                     if isinstance(v, (int, float)) and k != "epoch"}
-        self._average(trainer, sums, "train")
+        average_sums(trainer, sums, "train")
 
-    @staticmethod
-    def _average(trainer, sums: Dict[str, Any], tag: str) -> None:
-        if not sums:
-            return
-        flat: Dict[str, float] = {}
-        for key, (total, count) in sums.items():
-            flat[key + "/sum"], flat[key + "/n"] = float(total), float(count)
-        reduced = trainer.comm.sum_metrics(flat, tag)
-        for key in sums:
-            count = reduced[key + "/n"]
-            trainer.logs[key] = reduced[key + "/sum"] / count if count else math.nan
+
+def average_sums(trainer, sums: Dict[str, Any], tag: str) -> None:
+    """Sets ``trainer.logs[key]`` to the sample-weighted mean over ranks of each
+    ``key: (sum, count)``; every rank must pass the same keys."""
+    if not sums:
+        return
+    flat: Dict[str, float] = {}
+    for key, (total, count) in sums.items():
+        flat[key + "/sum"], flat[key + "/n"] = float(total), float(count)
+    reduced = trainer.comm.sum_metrics(flat, tag)
+    for key in sums:
+        count = reduced[key + "/n"]
+        trainer.logs[key] = reduced[key + "/sum"] / count if count else math.nan
 
 
 class Throughput(Callback):

@@ -151,18 +151,18 @@ class CommTimeline(Callback):
     """Writes the communication timeline of the fit as Chrome-trace JSON.
 
     Args:
-        path: The merged trace; default ``<trainer.out_dir>/timeline.json``. Per-rank
+        path: The merged trace; default ``<run folder>/timeline.json``. Per-rank
             files ``timeline.rank<R>.json`` are written next to it.
     """
 
     def __init__(self, path: Optional[Union[str, os.PathLike]] = None):
-        self.path = Path(path) if path is not None else None
+        self.given_path = Path(path) if path is not None else None
+        self.path = self.given_path
         self.recorder: Optional[EngineRecorder] = None
         self._step_begin = 0.0
 
     def on_fit_start(self, trainer, module) -> None:
-        if self.path is None:
-            self.path = Path(trainer.out_dir) / "timeline.json"
+        self.path = self.given_path or Path(trainer.run_dir) / "timeline.json"
         self.recorder = EngineRecorder(trainer.rank)
         self.recorder.install()
 
