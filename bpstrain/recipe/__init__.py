@@ -136,6 +136,10 @@ def load_recipe(name: Union[str, os.PathLike],
         cfg = load_config(data, list(overrides))
         if cfg.model.name is not None:
             check_model_name(cfg.model.name, "model.name")
+        if cfg.data.name == "synthetic" and cfg.data.path:
+            raise ConfigError("data.path is read only with data.name=image_folder; this recipe "
+                              "trains on synthetic data. Add data.name=image_folder. Received: "
+                              f"data.name='synthetic', data.path={cfg.data.path!r}")
     except ConfigError as err:
         raise type(err)(f"Recipe {str(name)!r}: {err}") from None
     return cfg

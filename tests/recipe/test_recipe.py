@@ -39,7 +39,27 @@ def test_image_recipes_default_to_synthetic_data_and_report_throughput(name):
 
     cfg = load_recipe(name)
     assert uses_synthetic_data(cfg.data) and cfg.trainer.throughput
-    assert not uses_synthetic_data(load_recipe(name, ["data.path=/some/folder"]).data)
+    assert cfg.data.name == "synthetic"  # what --print shows is what runs
+    folder = load_recipe(name, ["data.name=image_folder", "data.path=/some/folder"])
+    assert not uses_synthetic_data(folder.data)
+    with pytest.raises(ConfigError, match="Add data.name=image_folder"):
+        load_recipe(name, ["data.path=/some/folder"])  # would silently train on noise
+
+
+def test_cli_print_of_an_image_recipe_shows_synthetic_data(capsys):
+    assert main(["resnet50", "--print"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["name"] == "synthetic" and printed["data"]["path"] is None
+
+
+def test_cli_device_cuda_without_cuda_is_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without CUDA")
+    assert main(["digits", "trainer.device=cuda", "cluster.workers=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "no CUDA device" in err
 
 
 def test_digits_recipe_builds_model_and_data():

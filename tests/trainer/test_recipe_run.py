@@ -17,7 +17,8 @@ def test_run_recipe_in_process(tmp_path, capsys):
                           "model.name": "digits_mlp", "optimizer.name": "adam",
                           "optimizer.lr": 0.003})
     out = capsys.readouterr().out
-    assert "throughput:" in out and "samples/s" in out and "test accuracy:" in out
+    assert "throughput:" in out and "samples/s" in out and "validation accuracy:" in out
+    assert "test accuracy" not in out  # the validation split is not a test set
     assert history.last["val_accuracy"] > 0.9
     with pytest.raises(ValueError, match="Received: model.name=None"):
         run_recipe({"data.name": "digits"})
@@ -33,7 +34,7 @@ def test_digits_recipe_cli_with_two_workers_reaches_95_percent(tmp_path):
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("test accuracy:"))
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("validation accuracy:"))
     assert float(line.split()[2]) >= 0.95, proc.stdout
     assert "2 worker(s)" in proc.stdout and "samples/s" in proc.stdout
     assert elapsed < 60, f"took {elapsed:.1f} s"
