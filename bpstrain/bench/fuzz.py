@@ -260,12 +260,15 @@ def run(plan: FuzzPlan) -> FuzzReport:
                                     stderr=subprocess.STDOUT, text=True) for i in range(2)]
         time.sleep(3.0)  # rendezvous, first rounds
         baseline = {name: _proc_status(pid) for name, pid in pids.items()}
-        rss_peak = {name: st["VmRSS"] for name, st in baseline.items()}
+        # RSS is watched on every process of the job, the workers too (the soak).
+        rss_pids = {**pids, **{f"worker {i}": w.pid for i, w in enumerate(workers)}}
+        rss_base = {name: _proc_status(pid)["VmRSS"] for name, pid in rss_pids.items()}
+        rss_peak = dict(rss_base)
         sampling = threading.Event()
 
         def sample():
             while not sampling.wait(0.2):
-                for name, pid in pids.items():
+                for name, pid in rss_pids.items():
                     try:
                         rss_peak[name] = max(rss_peak[name], _proc_status(pid)["VmRSS"])
                     except OSError:
@@ -303,7 +306,7 @@ def run(plan: FuzzPlan) -> FuzzReport:
             if after[n]["fds"] > baseline[n]["fds"] + 2:
                 fz.problems.append(f"{n} file descriptors {baseline[n]['fds']} -> {after[n]['fds']}")
         sampling.set()
-        growth = {n: (rss_peak[n] - baseline[n]["VmRSS"]) / 1024 for n in pids}
+        growth = {n: (rss_peak[n] - rss_base[n]) / 1024 for n in rss_pids}
         for n, mb in growth.items():
             if mb > plan.rss_bound_mb:
                 fz.problems.append(f"{n} RSS grew by {mb:.1f} MB (bound {plan.rss_bound_mb:g})")
@@ -351,7 +354,8 @@ def run_args(args: argparse.Namespace):
         b, a = report.baseline[n], report.after[n]
         rows.append([f"{n} threads (baseline -> after)", f"{b['Threads']} -> {a['Threads']}"])
         rows.append([f"{n} fds (baseline -> after)", f"{b['fds']} -> {a['fds']}"])
-        rows.append([f"{n} peak RSS growth", f"{report.rss_growth_mb[n]:.1f} MB"])
+
+    rows += [[f"{n} peak RSS growth", f"{mb:.1f} MB"] for n, mb in report.rss_growth_mb.items()]
     rows += [[f"worker {i}", r] for i, r in enumerate(report.rounds)]
     rows.append(["exit codes", ", ".join(f"{k} {v}" for k, v in report.exit_codes.items())])
     rows.append(["verdict", "held" if report.ok else "FAILED: " + "; ".join(report.problems)])
