@@ -45,10 +45,11 @@ def _mac(key: bytes, label: str, nc: bytes, ns: bytes, identity: bytes) -> bytes
 
 
 class Conn:
-    """A TCP connection that speaks frames; ``session()`` after a handshake adds tags."""
+    """A TCP connection that speaks frames; after a handshake it tags every frame."""
 
-    def __init__(self, port: int, host: str = "127.0.0.1", timeout: float = 10.0):
-        self.sock = socket.create_connection((host, port), timeout=timeout)
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", timeout: float = 10.0, sock=None):
+        self.sock = sock if sock is not None else socket.create_connection((host, port), timeout=timeout)
+        self.sock.settimeout(timeout)
         self.sent: list[bytes] = []  # every frame sent, as bytes: what an observer captures
         self.send_key = self.recv_key = None
         self.send_seq = self.recv_seq = 0
@@ -134,6 +135,37 @@ def handshake(conn: Conn, key: bytes, identity: str = "worker", check_acceptor: 
         raise Refused(_reason(ok))
     conn.send_key = _mac(key, "connector->acceptor", nc, ns, ident)
     conn.recv_key = _mac(key, "acceptor->connector", nc, ns, ident)
+
+
+def accept_handshake(conn: Conn, key: bytes) -> str:
+    """The acceptor side of the handshake (a fake scheduler or server); returns the peer's
+    identity. With ``key`` b"" the link stays unauthenticated, as the engine's is."""
+    hello = conn.recv()
+    if hello is None or hello[0] != AUTH_HELLO:
+        raise Refused(_reason(hello))
+    meta = hello[2]
+    n = struct.unpack_from("<I", meta)[0]
+    nc = meta[4:4 + n]
+    m = struct.unpack_from("<I", meta, 4 + n)[0]
+    ident = meta[8 + n:8 + n + m]
+    ns = os.urandom(32)
+    conn.send(AUTH_CHALLENGE, s(ns) + struct.pack("<I", 1 if key else 0) + s(_mac(key, "acceptor", nc, ns, ident)
+                                                                           if key else b""))
+    if key:
+        proof = conn.recv()
+        want = _mac(key, "connector", nc, ns, ident)
+        if proof is None or not hmac.compare_digest(proof[2][4:], want):
+            raise Refused("the connecting side could not prove the key")
+        conn.send(AUTH_OK, s(_mac(key, "accepted", nc, ns, ident)))
+        conn.send_key = _mac(key, "acceptor->connector", nc, ns, ident)
+        conn.recv_key = _mac(key, "connector->acceptor", nc, ns, ident)
+    return ident.decode()
+
+
+def welcome(rank: int, workers: int, servers: list[str], job_id: int, keys: list[bytes]) -> bytes:
+    """A scheduler's welcome: rank, sizes, server endpoints, job id, data credentials."""
+    meta = struct.pack("<qII", rank, workers, len(servers)) + b"".join(s(e) for e in servers)
+    return meta + struct.pack("<qI", job_id, len(keys)) + b"".join(s(k) for k in keys)
 
 
 def _reason(reply) -> str:

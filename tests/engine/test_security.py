@@ -193,6 +193,120 @@ def test_a_node_speaks_only_for_its_own_rank(capfd):
     assert "claiming to come from rank 0" in capfd.readouterr().err
 
 
+def test_only_workers_release_barriers():
+    sched = _core.Scheduler(2, 1, host="127.0.0.1", port=0, rendezvous_timeout=20)
+    sched.start()
+    fake = wire.Conn(sched.port)  # registers as the job's server, then acts as a worker
+    wire.handshake(fake, b"", "server")
+    fake.send(wire.HELLO, wire.worker_hello(0, role=1))
+    workers = [_core.Worker("127.0.0.1", sched.port, rank_hint=i, rendezvous_timeout=20, numa="off")
+               for i in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        assert fake.recv()[0] == wire.WELCOME
+        fake.send(wire.BARRIER, sender=0)
+        with pytest.raises(PeerError, match="only workers in the job take part in barriers"):
+            sched.wait(10)
+    finally:
+        for w in workers:
+            w.shutdown()
+        fake.close()
+        sched.stop()
+
+
+def test_a_forged_partition_table_is_refused_before_it_is_used():
+    # A fake scheduler and server (they hand out the credential, so they can pass the
+    # handshake) place a 64-byte tensor on a partition of 65,536 bytes: the v1 worker read
+    # 64 KiB past the tensor into its push and crashed.
+    sched_sock, data_sock = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    cred = os.urandom(32)
+    seen = {}
+
+    def fake_scheduler():
+        conn = wire.Conn(sock=sched_sock.accept()[0])
+        wire.accept_handshake(conn, b"")
+        conn.recv()  # the worker's hello
+        endpoint = f"127.0.0.1:{data_sock.getsockname()[1]}"
+        conn.send(wire.WELCOME, wire.welcome(0, 1, [endpoint], 7, [cred]))
+        declare = conn.recv()
+        name = declare[2][4:4 + struct.unpack_from("<I", declare[2])[0]]
+        forged = wire.s(name) + struct.pack("<IqI", 0, 0, 1) + struct.pack("<qqI", 0, 1 << 16, 0)
+        conn.send(4, forged)  # kDeclareReply
+        seen["scheduler"] = conn.recv()  # the worker stays up; it never pushes
+        conn.close()
+
+    def fake_server():
+        conn = wire.Conn(sock=data_sock.accept()[0])
+        seen["identity"] = wire.accept_handshake(conn, cred)
+        seen["data"] = conn.recv()
+        conn.close()
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (fake_scheduler, fake_server)]
+    for t in threads:
+        t.start()
+    w = _core.Worker("127.0.0.1", sched_sock.getsockname()[1], rendezvous_timeout=10, numa="off",
+                     partition_bytes=4096, credit_bytes=1 << 20, socket_send_buffer=0)
+    w.start()
+    while not w.wait_ready(0.1):
+        pass
+    with pytest.raises(PeerError, match="does not cover"):
+        push_pull(w, "t", np.ones(16, np.float32))
+    w.shutdown()
+    for t in threads:
+        t.join(10)
+    assert seen["identity"] == "worker 0"
+    assert seen["data"] is None  # not one byte of a push left the worker
+    sched_sock.close()
+    data_sock.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a segment owned by another user")
+def test_a_shared_memory_segment_planted_by_another_user_is_refused():
+    # The fake scheduler picks the job id, so the test knows the name of the local
+    # group's first segment and plants it, owned by nobody, before the worker opens it.
+    job_id = int.from_bytes(os.urandom(7), "little")
+    planted = f"/dev/shm/bps{job_id:016x}h0bell"
+    fd = os.open(planted, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 128)
+    os.fchown(fd, 65534, 65534)
+    os.close(fd)
+    sched_sock, data_sock = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    cred = os.urandom(32)
+
+    def fake_scheduler():
+        conn = wire.Conn(sock=sched_sock.accept()[0])
+        wire.accept_handshake(conn, b"")
+        conn.recv()
+        endpoint = f"127.0.0.1:{data_sock.getsockname()[1]}"
+        conn.send(wire.WELCOME, wire.welcome(0, 2, [endpoint], job_id, [cred]))
+        conn.recv()
+        conn.close()
+
+    def fake_server():
+        conn = wire.Conn(sock=data_sock.accept()[0])
+        wire.accept_handshake(conn, cred)
+        conn.recv()
+        conn.close()
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (fake_scheduler, fake_server)]
+    for t in threads:
+        t.start()
+    w = _core.Worker("127.0.0.1", sched_sock.getsockname()[1], rank_hint=0, local_rank=0, local_size=2,
+                     hierarchical=1, rendezvous_timeout=10, numa="off", partition_bytes=4096,
+                     credit_bytes=1 << 20, socket_send_buffer=0)
+    w.start()
+    try:
+        with pytest.raises(Exception, match="belongs to uid 65534"):
+            while not w.wait_ready(0.1):
+                pass
+    finally:
+        w.shutdown()
+        os.unlink(planted)
+        sched_sock.close()
+        data_sock.close()
+
+
 def test_a_connection_flood_leaves_no_threads_or_descriptors_behind():
     sched = _core.Scheduler(1, 1, host="127.0.0.1", port=0, rendezvous_timeout=60)
     sched.start()
