@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from typing import Any, Dict, Optional
 
 _PR_SET_PDEATHSIG = 1
@@ -106,13 +107,17 @@ def main(rank: int, env: Dict[str, str], payload: str, queue,
     sys.stdout = _QueueStream(queue, rank, "stdout")
     sys.stderr = _QueueStream(queue, rank, "stderr")
     try:
-        import cloudpickle
-
+        from bpstrain.trainer._shipping import load_job
         from bpstrain.trainer.callbacks.progress import QueueSink
         from bpstrain.trainer.trainer import Trainer
 
-        with open(payload, "rb") as f:
-            config, callbacks, model, data, val_data = cloudpickle.load(f)
+        with open(payload, "rb") as f, warnings.catch_warnings():
+            # A compiled Keras model whose optimizer never stepped is saved with 2 optimizer
+            # variables and rebuilt with all its slots; Keras then warns that it skips
+            # loading them, though there is nothing to load. (A stepped optimizer saves
+            # all its variables and loads without the warning.)
+            warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
+            config, callbacks, model, data, val_data = load_job(f.read())
         trainer = Trainer(config, callbacks)
         history = trainer.fit_rank(model, data, val_data,
                                    QueueSink(queue) if rank == 0 else None, joined=False)

@@ -97,12 +97,12 @@ class LocalClusterLauncher:
         parent itself keeps open, so a child that dies before reading them (e.g. a script
         without a ``__main__`` guard) would block the parent forever.
         """
-        import cloudpickle
+        from bpstrain.trainer._shipping import dump_job
 
         config = OmegaConf.to_container(self.trainer.config, resolve=True)
         config["trainer"]["run_name"] = self.trainer.run_name  # the folder named here
         try:
-            blob = cloudpickle.dumps((config, self.trainer.callbacks, model, data, val_data))
+            blob = dump_job((config, self.trainer.callbacks, model, data, val_data))
         except Exception as exc:
             raise TypeError(
                 "Trainer.fit with cluster.workers > 1 sends the model, data and callbacks to "
