@@ -71,6 +71,11 @@ def _compile(model, cfg, size: int) -> None:
         classify = cfg.trainer.loss in ("cross_entropy", "bce_with_logits")
         args = {"loss": losses[cfg.trainer.loss], "metrics": ["accuracy"] if classify else None}
     if size > 1:
+        if getattr(optimizer, "built", False) and int(optimizer.iterations) == 0:
+            # Built (compile() built it, or the model came through pickle) but never
+            # stepped: nothing is lost by starting from its config, so DistributedOptimizer's
+            # "state is not carried over" warning would be noise. A stepped one still warns.
+            optimizer = type(optimizer).from_config(optimizer.get_config())
         optimizer = DistributedOptimizer(optimizer)
     model.compile(**{**args, "optimizer": optimizer})
 

@@ -66,8 +66,11 @@ def test_quickstart_notebook(tmp_path, kernel_dir, monkeypatch):
     assert _has_image(nb)  # history.plot()
     stdout = "".join(o["text"] for o in _outputs(nb, "stdout"))
     assert "test accuracy of the model in this notebook" in stdout
-    assert (tmp_path / "runs" / "quickstart2" / "timeline.json").is_file()
-    assert (tmp_path / "runs" / "quickstart2" / "checkpoints" / "last.ckpt").is_file()
+    assert "trainer.test: test_loss=" in stdout
+    run = tmp_path / "runs" / "quickstart2" / "version_0"  # the notebook's run folder
+    assert (run / "timeline.json").is_file() and (run / "config.yaml").is_file()
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "runs" / "quickstart" / "version_0" / "metrics.csv").is_file()
 
 
 @pytest.mark.timeout(240)
@@ -76,6 +79,10 @@ def test_keras_notebook(tmp_path, kernel_dir, monkeypatch):
     assert _has_image(nb)
     stdout = "".join(o["text"] for o in _outputs(nb, "stdout"))
     assert "test accuracy" in stdout and "rank 0 of 1" in stdout
+    # Clean outputs: neither bpstrain's "Wrap it before use" (the Trainer wraps the
+    # optimizer itself) nor Keras' "Skipping variable loading" from every worker.
+    stderr = "".join(o["text"] for o in _outputs(nb, "stderr"))
+    assert "Warning" not in stderr, stderr
 
 
 @pytest.mark.timeout(240)
