@@ -142,6 +142,13 @@ def fit_keras(trainer, model, data: Any, val_data: Any) -> History:
     from bpstrain.keras import BytePSCallback
 
     cfg = trainer.config
+    t = cfg.trainer
+    if str(t.precision) != "32" or t.gradient_clip_val is not None:
+        raise ConfigError("trainer.precision and trainer.gradient_clip_val apply to torch "
+                          "modules; for a Keras model use keras.mixed_precision.set_global_policy"
+                          "('mixed_bfloat16') and the optimizer's clipnorm/clipvalue. Received: "
+                          f"trainer.precision={t.precision!r}, "
+                          f"trainer.gradient_clip_val={t.gradient_clip_val!r}")
     if cfg.trainer.resume:
         raise ConfigError("trainer.resume is supported for torch modules only; restore Keras "
                           "weights with model.load_weights(). "
