@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 import torch
 
 from bpstrain.trainer import _data
-from bpstrain.trainer._loop import _accumulate, _means, _Steps, _validate, setup_module
+from bpstrain.trainer._loop import _accumulate, _Steps, _validate, setup_module
 from bpstrain.trainer.callbacks.metrics import average_sums
 
 

@@ -57,15 +57,16 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer) -> bool:
-        """Steps the optimizer (the scaler may skip it); True when the step was taken."""
+    def step(self, optimizer) -> None:
+        """Steps the optimizer; with "16" the scaler skips a step with inf/NaN gradients.
+
+        Nothing here reads the scale back: that would wait for the GPU every step.
+        """
         if self.scaler is None:
             optimizer.step()
-            return True
-        scale = self.scaler.get_scale()
+            return
         self.scaler.step(optimizer)
         self.scaler.update()
-        return self.scaler.get_scale() >= scale  # the scale shrinks only on a skipped step
 
     def state_dict(self) -> Dict[str, Any]:
         """The scaler's state (empty without one), saved in checkpoints."""
@@ -77,8 +78,9 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
-def clip_gradients(optimizer, value: Optional[float], algorithm: str) -> Optional[float]:
-    """Clips every parameter's gradient; returns the total norm before clipping ("norm").
+def clip_gradients(optimizer, value: Optional[float], algorithm: str):
+    """Clips every parameter's gradient; returns the total norm before clipping ("norm"),
+    as a 0-d tensor (reading it as a number would wait for the GPU).
 
     Args:
         value: ``trainer.gradient_clip_val``; None = no clipping.
@@ -92,11 +94,11 @@ def clip_gradients(optimizer, value: Optional[float], algorithm: str) -> Optiona
     if algorithm == "value":
         torch.nn.utils.clip_grad_value_(params, value)
         return None
-    return float(torch.nn.utils.clip_grad_norm_(params, value))
+    return torch.nn.utils.clip_grad_norm_(params, value)
 
 
-def optimizer_step(trainer, module, precision: Precision, fire) -> bool:
-    """One optimizer step after the backward passes of a step; True if it was taken.
+def optimizer_step(trainer, module, precision: Precision, fire) -> None:
+    """One optimizer step after the backward passes of a step (see the module docstring).
 
     Gradients are averaged first (``synchronize``), so the hook, clipping and the inf
     check all see the same averaged gradients on every rank.
@@ -112,4 +114,4 @@ def optimizer_step(trainer, module, precision: Precision, fire) -> bool:
     if norm is not None:
         trainer.last_grad_norm = norm
     with optimizer.skip_synchronize() if distributed else contextlib.nullcontext():
-        return precision.step(optimizer)
+        precision.step(optimizer)

@@ -116,7 +116,7 @@ class Trainer:
         self.module = self.optimizer = self.precision_plugin = None
         self.lr_schedulers: list = []
         self.schedulers_pending = False
-        self.last_grad_norm: Optional[float] = None
+        self.last_grad_norm = None  # 0-d tensor: total gradient norm before clipping
         self.current_epoch = self.global_step = self.epochs_completed = 0
         self.num_training_batches = self.num_val_batches = 0
         self.progress_step = self.last_batch_size = 0

@@ -48,9 +48,8 @@ def run(name: str):
             next(model.parameters()).grad.view(-1)[0] = math.inf
             before = [p.detach().clone() for p in model.parameters()]
             scale = prec.scaler.get_scale()
-        taken = precision_mod.optimizer_step(trainer, model, prec, fire)
+        precision_mod.optimizer_step(trainer, model, prec, fire)
         if step == 5 and prec.scaler is not None:
-            assert not taken, "inf step was taken"
             assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
             assert prec.scaler.get_scale() == scale / 2
             skipped += 1
