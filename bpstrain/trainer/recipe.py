@@ -87,6 +87,7 @@ def run_recipe(cfg: Any) -> History:
     final = {k: v for k, v in history.last.items()
              if k not in ("epoch", "epoch_time", "lr", "samples_per_s")}
     lines.append("final metrics: " + ", ".join(f"{k}={_fmt(v)}" for k, v in final.items()))
+    lines.append(f"run folder: {trainer.run_dir} (config.yaml, metrics.csv)")
     if cfg.data.name == "digits" and "val_accuracy" in final:
         # The validation split: held out from training, but watched during it (early
         # stopping, best checkpoints), so it is not a test set and is not called one.

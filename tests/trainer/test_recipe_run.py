@@ -19,6 +19,8 @@ def test_run_recipe_in_process(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "throughput:" in out and "samples/s" in out and "validation accuracy:" in out
     assert "test accuracy" not in out  # the validation split is not a test set
+    assert f"run folder: {tmp_path / 'version_0'} (config.yaml, metrics.csv)" in out
+    assert (tmp_path / "version_0" / "config.yaml").is_file()
     assert history.last["val_accuracy"] > 0.9
     with pytest.raises(ValueError, match="Received: model.name=None"):
         run_recipe({"data.name": "digits"})
