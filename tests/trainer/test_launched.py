@@ -36,3 +36,9 @@ def test_fit_runs_as_one_rank_of_a_launched_job(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["version_0", "version_1"]
     # 256 samples / 2 ranks / 32 per batch = 4 batches per epoch; 2 passes per step.
     assert [r["steps"] for r in results] == [[8, 2], [8, 2]]
+    # validate/test in the job: the same exact mean on both ranks, equal to one process's.
+    for r in results:
+        assert r["validated"] == results[0]["validated"]
+        assert r["validated"]["val_loss"] == pytest.approx(r["full_loss"], rel=1e-5)
+        assert r["tested"]["test_loss"] == pytest.approx(r["full_loss"], rel=1e-5)
+    assert sorted(r["predicted"] for r in results) == [127, 128]  # each rank its own shard

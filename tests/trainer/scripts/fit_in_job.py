@@ -3,6 +3,8 @@
 import json
 import sys
 
+import torch
+
 from bpstrain.trainer import Trainer
 from tests.trainer.helpers import base_config, blobs, tiny_net
 
@@ -16,8 +18,19 @@ if __name__ == "__main__":
         trainer = Trainer(base_config(out_dir, **{
             "trainer.epochs": epochs, "trainer.checkpoint_every": 1,
             "optimizer.backward_passes_per_step": passes}))
-        history = trainer.fit(tiny_net(), (x, y), val_data=(x, y))
+        model = tiny_net()
+        history = trainer.fit(model, (x, y), val_data=(x, y))
         results.append(history.last)
         steps.append(trainer.global_step)
+    # Evaluation in the job: each rank its strided shard, metrics exact over both.
+    x_odd, y_odd = x[:255], y[:255]  # uneven shards: 128 and 127 samples
+    validated = trainer.validate(model, (x_odd, y_odd))
+    tested = trainer.test(model, (x_odd, y_odd))
+    with torch.no_grad():
+        full = torch.nn.functional.cross_entropy(model(torch.as_tensor(x_odd)),
+                                                 torch.as_tensor(y_odd)).item()
+    predicted = torch.cat(trainer.predict(model, x_odd))
     print("RESULT " + json.dumps({"rank": trainer.rank, "size": trainer.size,
-                                  "last": results, "steps": steps}), flush=True)
+                                  "last": results, "steps": steps, "validated": validated,
+                                  "tested": tested, "full_loss": full,
+                                  "predicted": len(predicted)}), flush=True)
