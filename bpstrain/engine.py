@@ -148,6 +148,7 @@ def _connect(state: _State) -> None:
         socket_send_buffer=int(o["socket_send_buffer"]),
         advertise_host=env.node_host,
         host_id=env.host_id,
+        authenticate_bodies=bool(o["authenticate_bodies"]),
     )
     worker.start()
     try:

@@ -82,6 +82,8 @@ def run_role(role: str, environ: Optional[Mapping[str, str]] = None) -> None:
             rendezvous_timeout=float(options["rendezvous_timeout"]),
             secret=str(options["secret"] or ""),
             host_id=env.host_id,
+            round_timeout=float(options["op_timeout"]),
+            authenticate_bodies=bool(options["authenticate_bodies"]),
         )
     else:
         raise ConfigError(f"run_role runs 'scheduler' or 'server'. Received: role={role!r}")

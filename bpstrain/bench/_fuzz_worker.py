@@ -15,6 +15,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--elems", type=int, default=1024)
     parser.add_argument("--until", default="", help="then go on until this file exists")
+    parser.add_argument("--ready", default="", help="create this file after the first round")
     args = parser.parse_args()
     from bpstrain import engine
 
@@ -44,6 +45,8 @@ def main() -> int:
             if not np.array_equal(out, want_factor * base):
                 print(f"fuzz worker {rank}: round {r} has a wrong sum", file=sys.stderr, flush=True)
                 return 3
+            if r == 0 and args.ready:
+                open(f"{args.ready}.{rank}", "w").close()
             r += 1
     finally:
         engine.shutdown()

@@ -40,8 +40,13 @@ def cluster_key(secret: str) -> bytes:
     return hashlib.pbkdf2_hmac("sha256", secret.encode(), KEY_SALT, KEY_ITERATIONS) if secret else b""
 
 
-def _mac(key: bytes, label: str, nc: bytes, ns: bytes, identity: bytes) -> bytes:
-    return hmac.new(key, s(label) + s(nc) + s(ns) + s(identity), hashlib.sha256).digest()
+HMAC_SHA256, POLY1305, NO_BODY_TAGS = 0, 1, 2  # body authenticators (body_mac.h)
+
+
+def _mac(key: bytes, label: str, nc: bytes, ns: bytes, identity: bytes, offer: int = 0,
+         choice: int = HMAC_SHA256) -> bytes:
+    transcript = s(label) + s(nc) + s(ns) + s(identity) + struct.pack("<II", offer, choice)
+    return hmac.new(key, transcript, hashlib.sha256).digest()
 
 
 class Conn:
@@ -84,8 +89,8 @@ class Conn:
         """(type, fields dict, meta, body) of the next frame (tags checked), or None at EOF."""
         try:
             raw = self._exact(HEADER.size)
-        except (ConnectionResetError, socket.timeout):
-            return None
+        except ConnectionResetError:
+            return None  # closed on us, as good as a clean end here
         if raw is None:
             return None
         magic, type_, flags, meta_len, sender, arg, key, version, body_len = HEADER.unpack(raw)
@@ -98,6 +103,9 @@ class Conn:
             want = hmac.new(self.recv_key, seq + raw + payload, hashlib.sha256).digest()[:TAG]
             if not hmac.compare_digest(want, tag_h):
                 raise ValueError("a frame from the engine failed authentication")
+            if body and not hmac.compare_digest(
+                    tag_b, hmac.new(self.recv_key, seq + body, hashlib.sha256).digest()[:TAG]):
+                raise ValueError("a frame body from the engine failed authentication")
             meta = payload
         fields = dict(flags=flags, sender=sender, arg=arg, key=key, version=version)
         return type_, fields, meta, body
@@ -116,25 +124,29 @@ def handshake(conn: Conn, key: bytes, identity: str = "worker", check_acceptor: 
     """
     ident = identity.encode()
     nc = os.urandom(32)
-    conn.send(AUTH_HELLO, s(nc) + s(ident) + struct.pack("<I", 1 if key else 0))
+    offer = 0  # this implementation tags bodies with HMAC-SHA256 only
+    conn.send(AUTH_HELLO, s(nc) + s(ident) + struct.pack("<II", 1 if key else 0, offer))
     reply = conn.recv()
     if reply is None or reply[0] == ERROR:
         raise Refused(_reason(reply))
     meta = reply[2]
     n = struct.unpack_from("<I", meta)[0]
     ns = meta[4:4 + n]
-    if not key:
-        return
     proof_len = struct.unpack_from("<I", meta, 8 + n)[0]
     proof = meta[12 + n:12 + n + proof_len]
-    if check_acceptor and not hmac.compare_digest(proof, _mac(key, "acceptor", nc, ns, ident)):
+    choice = struct.unpack_from("<I", meta, 12 + n + proof_len)[0]
+    if not key:
+        return
+    if choice != HMAC_SHA256:
+        raise ValueError(f"the acceptor chose body authenticator {choice}, which was not offered")
+    if check_acceptor and not hmac.compare_digest(proof, _mac(key, "acceptor", nc, ns, ident, offer, choice)):
         raise ValueError("the acceptor could not prove the key")
-    conn.send(AUTH_PROOF, s(_mac(key, "connector", nc, ns, ident)))
+    conn.send(AUTH_PROOF, s(_mac(key, "connector", nc, ns, ident, offer, choice)))
     ok = conn.recv()
     if ok is None or ok[0] != AUTH_OK:
         raise Refused(_reason(ok))
-    conn.send_key = _mac(key, "connector->acceptor", nc, ns, ident)
-    conn.recv_key = _mac(key, "acceptor->connector", nc, ns, ident)
+    conn.send_key = _mac(key, "connector->acceptor", nc, ns, ident, offer, choice)
+    conn.recv_key = _mac(key, "acceptor->connector", nc, ns, ident, offer, choice)
 
 
 def accept_handshake(conn: Conn, key: bytes) -> str:
@@ -148,17 +160,21 @@ def accept_handshake(conn: Conn, key: bytes) -> str:
     nc = meta[4:4 + n]
     m = struct.unpack_from("<I", meta, 4 + n)[0]
     ident = meta[8 + n:8 + n + m]
+    offer = struct.unpack_from("<I", meta, 12 + n + m)[0]
     ns = os.urandom(32)
-    conn.send(AUTH_CHALLENGE, s(ns) + struct.pack("<I", 1 if key else 0) + s(_mac(key, "acceptor", nc, ns, ident)
-                                                                           if key else b""))
+    choice = HMAC_SHA256  # whatever the peer offered, this implementation has only HMAC
+
+    def mac(label):
+        return _mac(key, label, nc, ns, ident, offer, choice)
+    conn.send(AUTH_CHALLENGE, s(ns) + struct.pack("<I", 1 if key else 0) + s(mac("acceptor") if key else b"")
+              + struct.pack("<I", choice))
     if key:
         proof = conn.recv()
-        want = _mac(key, "connector", nc, ns, ident)
-        if proof is None or not hmac.compare_digest(proof[2][4:], want):
+        if proof is None or not hmac.compare_digest(proof[2][4:], mac("connector")):
             raise Refused("the connecting side could not prove the key")
-        conn.send(AUTH_OK, s(_mac(key, "accepted", nc, ns, ident)))
-        conn.send_key = _mac(key, "acceptor->connector", nc, ns, ident)
-        conn.recv_key = _mac(key, "connector->acceptor", nc, ns, ident)
+        conn.send(AUTH_OK, s(mac("accepted")))
+        conn.send_key = mac("acceptor->connector")
+        conn.recv_key = mac("connector->acceptor")
     return ident.decode()
 
 

@@ -129,10 +129,20 @@ class _Fuzzer:
         self.problems: list[str] = []
 
     def expect_refused(self, what: str, fn) -> None:
+        """fn() must end in a refusal: an error frame, or the connection closed on it.
+        Not reaching the port at all is a problem of its own, not a refusal."""
         try:
             fn()
-        except (wire.Refused, ConnectionError, socket.timeout, OSError):
+        except ConnectionRefusedError:
+            self.problems.append(f"{what}: the port did not accept the connection")
             return
+        except (wire.Refused, ConnectionResetError, BrokenPipeError):
+            return
+        except (TimeoutError, socket.timeout):
+            self.problems.append(f"{what}: the peer neither answered nor closed (hung)")
+            return
+        except AssertionError:
+            pass
         self.problems.append(f"{what} was not refused")
 
     def impersonate(self, port: int, secret: str) -> None:
@@ -248,17 +258,25 @@ def run(plan: FuzzPlan) -> FuzzReport:
         pids = {("scheduler" if "sched" in c.label else "server"): c.proc.pid for c in services.children}
         sched_port = services.port
         deadline = time.monotonic() + 30
-        while not _listening_ports(pids["server"]) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (_listening_ports(pids["server"])
+                                                   and sched_port in _listening_ports(pids["scheduler"])):
             time.sleep(0.05)
         server_port = _listening_ports(pids["server"])[0]
         # Before rendezvous: a stranger tries to take the server's place.
         fz.impersonate(sched_port, secret)
         fz.replay(sched_port, secret)
+        ready = stop_file + "-ready"
         cmd = [sys.executable, "-m", "bpstrain.bench._fuzz_worker", "--rounds", str(plan.rounds),
-               "--until", stop_file]
+               "--until", stop_file, "--ready", ready]
         workers = [subprocess.Popen(cmd, env=services.worker_env(i), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True) for i in range(2)]
-        time.sleep(3.0)  # rendezvous, first rounds
+        # The baseline is the running job: both workers are past rendezvous and a round.
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(f"{ready}.{i}") for i in range(2)):
+            if time.monotonic() > deadline or any(w.poll() is not None for w in workers):
+                raise RuntimeError("the fuzzer's job did not start: " + log.getvalue()[-2000:])
+            time.sleep(0.05)
+        time.sleep(0.5)
         baseline = {name: _proc_status(pid) for name, pid in pids.items()}
         # RSS is watched on every process of the job, the workers too (the soak).
         rss_pids = {**pids, **{f"worker {i}": w.pid for i, w in enumerate(workers)}}
@@ -329,10 +347,12 @@ def run(plan: FuzzPlan) -> FuzzReport:
             if w.poll() is None:
                 w.kill()
         services.stop()
-        try:
-            os.unlink(stop_file)
-        except OSError:
-            pass
+        for path in (stop_file, stop_file + "-ready.0", stop_file + "-ready.1"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        os.rmdir(os.path.dirname(stop_file))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

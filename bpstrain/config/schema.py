@@ -265,6 +265,11 @@ class CommConfig:
         "auto", "Reduce inside a host (shared memory) before talking to servers: auto = "
         "when several workers share a host; true; false.", "BPSTRAIN_HIERARCHICAL",
         choices=HIERARCHICAL)
+    authenticate_bodies: bool = knob(
+        True, "Tag every data frame's body (Poly1305, or HMAC-SHA256 without libcrypto); "
+        "false on workers and servers alike leaves bodies untagged (headers stay "
+        "authenticated): only on a network trusted not to alter packets.",
+        "BPSTRAIN_AUTHENTICATE_BODIES")
 
 
 def comm_knobs() -> Dict[str, Tuple[type, Knob]]:

@@ -12,6 +12,7 @@
 
 #include "../src/affinity.h"
 #include "../src/auth.h"
+#include "../src/body_mac.h"
 #include "../src/common.h"
 #include "../src/reduce.h"
 #include "../src/scheduler.h"
@@ -226,18 +227,18 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "connect_raw",
       [](const std::string& transport, const std::string& host, int port, double timeout, bool handshake,
-         const std::string& secret, py::bytes key, const std::string& identity) {
+         const std::string& secret, py::bytes key, const std::string& identity, bool body_tags) {
         auto t = Transport::Get(transport);
         std::string ep = t->Endpoint(host, port);
         std::string k = key;
         py::gil_scoped_release nogil;
         std::shared_ptr<Link> link = t->Connect(ep, timeout, nullptr);
         if (!handshake) return link;
-        return SecureConnect(std::move(link), k.empty() ? ClusterKey(secret) : k, identity);
+        return SecureConnect(std::move(link), k.empty() ? ClusterKey(secret) : k, identity, body_tags);
       },
       py::arg("transport"), py::arg("host"), py::arg("port"), py::arg("timeout") = 10.0,
       py::arg("handshake") = false, py::arg("secret") = "", py::arg("key") = py::bytes(),
-      py::arg("identity") = "worker",
+      py::arg("identity") = "worker", py::arg("body_tags") = true,
       "A RawLink to host:port over `transport` (\"tcp\" or \"inproc\"). With handshake=True it first "
       "runs the secure handshake as `identity`, keyed by `key` (a data credential) or by `secret`'s cluster key; "
       "the link then authenticates every frame.");
@@ -251,6 +252,20 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("password"), py::arg("salt"), py::arg("iterations"));
   m.def("sha256_accelerated", &Sha256Accelerated, "True when SHA-256 runs on the CPU's SHA extensions.");
+  m.def("poly1305_available", &Poly1305Available, "True when body tags can use Poly1305 (libcrypto.so.3).");
+  m.def(
+      "poly1305", [](py::bytes key, py::bytes msg) {
+        std::string m = msg;
+        return py::bytes(Poly1305(key, m.data(), m.size()));
+      },
+      py::arg("key"), py::arg("message"), "Poly1305 as the engine computes body tags (for tests).");
+  m.def(
+      "link_body_auth",
+      [](const std::shared_ptr<Link>& l) {
+        auto* s = dynamic_cast<SecureLink*>(l.get());
+        return std::string(s ? BodyAuthName(s->body_auth()) : "unauthenticated");
+      },
+      py::arg("link"), "How a RawLink from connect_raw(handshake=True) tags bodies.");
 
   py::class_<SendPolicy>(m, "SendPolicy",
                          "The worker's partition scheduling policy (priority, credit, global order, spread), "
@@ -322,9 +337,10 @@ PYBIND11_MODULE(_core, m) {
                        const std::string& listen_host, const std::string& advertise_host, int server_id,
                        int engine_threads, const std::string& numa, double rendezvous_timeout,
                        const std::string& secret, const std::string& host_id, const std::string& transport,
-                       py::object handler, double round_timeout) {
+                       py::object handler, double round_timeout, bool authenticate_bodies) {
              ServerOptions o;
              o.round_timeout = round_timeout;
+             o.authenticate_bodies = authenticate_bodies;
              o.transport = transport;
              if (!handler.is_none()) {
                // One Python handler object per engine thread, made by calling `handler()`.
@@ -349,7 +365,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("advertise_host") = "", py::arg("server_id") = -1, py::arg("engine_threads") = 2,
            py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
            py::arg("host_id") = "", py::arg("transport") = "tcp", py::arg("handler") = py::none(),
-           py::arg("round_timeout") = 300.0,
+           py::arg("round_timeout") = 300.0, py::arg("authenticate_bodies") = true,
            "`handler`: None (sum) or a factory of Python server handlers (see PythonHandler). `listen_host`: "
            "\"\" = the advertised host, else this host's address toward the scheduler; \"0.0.0.0\" = all.")
       .def_property_readonly("port", &Server::port)
@@ -374,9 +390,10 @@ PYBIND11_MODULE(_core, m) {
                        int connections_per_server, bool priority, const std::string& numa,
                        double rendezvous_timeout, const std::string& secret, int hierarchical,
                        int socket_send_buffer, const std::string& advertise_host, const std::string& host_id,
-                       const std::string& transport) {
+                       const std::string& transport, bool authenticate_bodies) {
              WorkerOptions o;
              o.transport = transport;
+             o.authenticate_bodies = authenticate_bodies;
              o.advertise_host = advertise_host;
              o.host_id = host_id;
              o.hierarchical = hierarchical;
@@ -400,7 +417,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("credit_bytes") = 0, py::arg("connections_per_server") = 1, py::arg("priority") = true,
            py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
            py::arg("hierarchical") = static_cast<int>(WorkerOptions::kAuto), py::arg("socket_send_buffer") = -1,
-           py::arg("advertise_host") = "", py::arg("host_id") = "", py::arg("transport") = "tcp")
+           py::arg("advertise_host") = "", py::arg("host_id") = "", py::arg("transport") = "tcp",
+           py::arg("authenticate_bodies") = true)
       .def("start", &Worker::Start)
       .def("wait_ready", &Worker::WaitReady, py::arg("seconds"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Worker::rank)

@@ -13,22 +13,31 @@ constexpr size_t kTag = 16;                 // each of the two per-frame tags
 constexpr uint32_t kIdentityLen = 128;
 constexpr int kKeyIterations = 100000;      // PBKDF2 rounds for the cluster key
 
-std::string Transcript(const char* label, const std::string& nonce_c, const std::string& nonce_s,
-                       const std::string& identity) {
-  return MetaWriter().Str(label).Str(nonce_c).Str(nonce_s).Str(identity).bytes();
+// What the connecting side offers for bodies (kAuthHello), bit by bit.
+constexpr uint32_t kOfferPoly1305 = 1, kOfferNoBodyTags = 2;
+
+// Everything both ends said that decides the session; every proof and key covers it.
+struct Transcript {
+  std::string nc, ns, identity;
+  uint32_t offer = 0;
+  BodyAuth choice = BodyAuth::kHmacSha256;
+
+  std::string Mac(const std::string& key, const char* label) const {
+    MetaWriter w;
+    w.Str(label).Str(nc).Str(ns).Str(identity).U32(offer).U32(static_cast<uint32_t>(choice));
+    return HmacSha256(key, w.bytes());
+  }
+};
+
+std::shared_ptr<Link> Wrap(std::shared_ptr<Link> raw, const std::string& key, const Transcript& t, bool connector) {
+  std::string c2a = t.Mac(key, "connector->acceptor");
+  std::string a2c = t.Mac(key, "acceptor->connector");
+  if (connector) return std::make_shared<SecureLink>(std::move(raw), c2a, a2c, t.choice);
+  return std::make_shared<SecureLink>(std::move(raw), a2c, c2a, t.choice);
 }
 
-std::string Mac(const std::string& key, const char* label, const std::string& nc, const std::string& ns,
-                const std::string& identity) {
-  return HmacSha256(key, Transcript(label, nc, ns, identity));
-}
-
-std::shared_ptr<Link> Wrap(std::shared_ptr<Link> raw, const std::string& key, const std::string& nc,
-                           const std::string& ns, const std::string& identity, bool connector) {
-  std::string c2a = Mac(key, "connector->acceptor", nc, ns, identity);
-  std::string a2c = Mac(key, "acceptor->connector", nc, ns, identity);
-  if (connector) return std::make_shared<SecureLink>(std::move(raw), c2a, a2c);
-  return std::make_shared<SecureLink>(std::move(raw), a2c, c2a);
+uint32_t Offer(bool body_tags) {
+  return (Poly1305Available() ? kOfferPoly1305 : 0) | (body_tags ? 0 : kOfferNoBodyTags);
 }
 
 FrameHeader Header(MsgType t) {
@@ -70,8 +79,8 @@ std::string ClusterKey(const std::string& secret) {
   return cache[secret] = Pbkdf2Sha256(secret, "bpstrain cluster key v2", kKeyIterations);
 }
 
-SecureLink::SecureLink(std::shared_ptr<Link> inner, std::string send_key, std::string recv_key)
-    : inner_(std::move(inner)), send_key_(std::move(send_key)), recv_key_(std::move(recv_key)) {
+SecureLink::SecureLink(std::shared_ptr<Link> inner, std::string send_key, std::string recv_key, BodyAuth body_auth)
+    : inner_(std::move(inner)), send_key_(std::move(send_key)), recv_key_(std::move(recv_key)), body_auth_(body_auth) {
   peer_ = inner_->peer();
   peer_host_ = inner_->peer_host();
 }
@@ -86,8 +95,13 @@ void SecureLink::Send(FrameHeader h, const std::string& meta, const void* body, 
   h.body_len = body_len;
   std::string sealed = meta;
   sealed += Hmac(send_key_).U64(seq).Update(&h, sizeof h).Update(meta).Final().substr(0, kTag);
-  sealed += body_len ? Hmac(send_key_).U64(seq).Update(body, body_len).Final().substr(0, kTag)
-                     : std::string(kTag, '\0');
+  if (body_len) {
+    BodyMac mac(body_auth_, send_key_, seq);
+    mac.Update(body, body_len);
+    sealed += mac.Final();
+  } else {
+    sealed += std::string(kTag, '\0');
+  }
   inner_->Send(h, sealed, body, body_len);
 }
 
@@ -104,10 +118,7 @@ bool SecureLink::RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body,
   meta->resize(n);
   h->meta_len = static_cast<uint32_t>(n);
   body_left_ = h->body_len;
-  if (body_left_) {
-    body_mac_ = std::make_unique<Hmac>(recv_key_);
-    body_mac_->U64(seq);
-  }
+  if (body_left_) body_mac_ = std::make_unique<BodyMac>(body_auth_, recv_key_, seq);
   return true;
 }
 
@@ -135,31 +146,41 @@ void SecureLink::CheckBody(const std::string& tag) {
     throw FrameError("frame body failed authentication (forged or corrupted)");
 }
 
-std::shared_ptr<Link> SecureConnect(std::shared_ptr<Link> raw, const std::string& key, const std::string& identity) {
+std::shared_ptr<Link> SecureConnect(std::shared_ptr<Link> raw, const std::string& key, const std::string& identity,
+                                    bool body_tags) {
   raw->SetDeadline(kHandshakeSeconds);
-  const std::string nc = RandomBytes(kNonce);
-  raw->Send(Header(MsgType::kAuthHello), MetaWriter().Str(nc).Str(identity).U32(!key.empty()).bytes());
-  std::string ns, proof;
-  uint32_t acceptor_keyed = 0;
+  Transcript t;
+  t.nc = RandomBytes(kNonce);
+  t.identity = identity;
+  t.offer = Offer(body_tags);
+  raw->Send(Header(MsgType::kAuthHello), MetaWriter().Str(t.nc).Str(identity).U32(!key.empty()).U32(t.offer).bytes());
+  std::string proof;
+  uint32_t acceptor_keyed = 0, choice = 0;
   try {
     const std::string meta = Expect(*raw, MsgType::kAuthChallenge);
     MetaReader r(meta);
-    ns = r.Str();
+    t.ns = r.Str();
     acceptor_keyed = r.U32();
     proof = r.Str();
+    choice = r.U32();
   } catch (const FrameError& e) {
     throw Error(Error::kPeer, raw->peer() + " answered the handshake with a malformed frame: " + e.what());
   }
+  t.choice = static_cast<BodyAuth>(choice);
   if (!key.empty()) {
     // The acceptor must prove the key before this node says anything more: a stranger
     // posing as the scheduler or a server learns nothing and gets no data.
-    if (!acceptor_keyed || ns.size() != kNonce || !ConstantTimeEqual(proof, Mac(key, "acceptor", nc, ns, identity)))
+    if (!acceptor_keyed || t.ns.size() != kNonce || !ConstantTimeEqual(proof, t.Mac(key, "acceptor")))
       throw Error(Error::kConfig, raw->peer() + " could not prove it holds this job's key: it is not this job's " +
                                       "scheduler/server, or it runs with another cluster secret");
-    raw->Send(Header(MsgType::kAuthProof), MetaWriter().Str(Mac(key, "connector", nc, ns, identity)).bytes());
+    const bool offered = t.choice == BodyAuth::kHmacSha256 ||
+                         (t.choice == BodyAuth::kPoly1305 && (t.offer & kOfferPoly1305)) ||
+                         (t.choice == BodyAuth::kNone && (t.offer & kOfferNoBodyTags));
+    if (!offered) throw Error(Error::kPeer, raw->peer() + " chose a body authenticator this node did not offer");
+    raw->Send(Header(MsgType::kAuthProof), MetaWriter().Str(t.Mac(key, "connector")).bytes());
     try {
       const std::string ok = MetaReader(Expect(*raw, MsgType::kAuthOk)).Str();
-      if (!ConstantTimeEqual(ok, Mac(key, "accepted", nc, ns, identity)))
+      if (!ConstantTimeEqual(ok, t.Mac(key, "accepted")))
         throw FrameError("the acceptance does not carry the acceptor's proof");
     } catch (const FrameError& e) {
       throw Error(Error::kPeer, raw->peer() + " ended the handshake with a malformed frame: " + e.what());
@@ -170,17 +191,18 @@ std::shared_ptr<Link> SecureConnect(std::shared_ptr<Link> raw, const std::string
   }
   raw->SetDeadline(0);
   if (key.empty()) return raw;
-  return Wrap(std::move(raw), key, nc, ns, identity, /*connector=*/true);
+  return Wrap(std::move(raw), key, t, /*connector=*/true);
 }
 
 std::shared_ptr<Link> ConnectSecure(Transport& transport, const std::string& endpoint, const std::string& key,
-                                    const std::string& identity, double timeout_s, const std::atomic<bool>* cancel) {
+                                    const std::string& identity, double timeout_s, const std::atomic<bool>* cancel,
+                                    bool body_tags) {
   const auto start = Clock::now();
   for (int attempt = 0;; ++attempt) {
     const double left = std::max(0.1, timeout_s - SecondsSince(start));
     std::shared_ptr<Link> raw = transport.Connect(endpoint, left, cancel);
     try {
-      return SecureConnect(std::move(raw), key, identity);
+      return SecureConnect(std::move(raw), key, identity, body_tags);
     } catch (const Error& e) {
       const bool transient = e.kind() == Error::kPeer || e.kind() == Error::kTimeout;
       if (!transient || (cancel && cancel->load()) || SecondsSince(start) > timeout_s) throw;
@@ -190,7 +212,8 @@ std::shared_ptr<Link> ConnectSecure(Transport& transport, const std::string& end
   }
 }
 
-std::shared_ptr<Link> SecureAccept(std::shared_ptr<Link> raw, const KeyLookup& key_for, std::string* identity) {
+std::shared_ptr<Link> SecureAccept(std::shared_ptr<Link> raw, const KeyLookup& key_for, std::string* identity,
+                                   bool body_tags) {
   // A refusal is reported to the peer here and thrown to the caller, which logs it.
   auto refuse = [&](const std::string& why) -> std::shared_ptr<Link> {
     try {
@@ -200,35 +223,43 @@ std::shared_ptr<Link> SecureAccept(std::shared_ptr<Link> raw, const KeyLookup& k
     throw Error(Error::kConfig, why);
   };
   raw->SetDeadline(kHandshakeSeconds);
-  std::string nc, key;
+  Transcript t;
+  std::string key;
   uint32_t connector_keyed = 0;
   {
     const std::string hello = Expect(*raw, MsgType::kAuthHello);  // MetaReader keeps a reference
     MetaReader r(hello);
-    nc = r.Str();
-    *identity = r.Str();
+    t.nc = r.Str();
+    t.identity = r.Str();
     connector_keyed = r.U32();
+    t.offer = r.U32();
   }
-  if (nc.size() != kNonce || identity->size() > kIdentityLen) throw FrameError("malformed handshake hello");
+  *identity = t.identity;
+  if (t.nc.size() != kNonce || identity->size() > kIdentityLen) throw FrameError("malformed handshake hello");
   if (!key_for(*identity, &key)) return refuse(key);
   if (key.empty() && connector_keyed)
     return refuse("this node runs without a cluster secret and the connecting node has one (set the same "
                   "cluster.secret / BPSTRAIN_SECRET on every node)");
   if (!key.empty() && !connector_keyed)
     return refuse("wrong or missing cluster secret (set the same cluster.secret / BPSTRAIN_SECRET on every node)");
-  const std::string ns = RandomBytes(kNonce);
+  // Bodies: untagged only if both ends asked for it; else the fastest MAC both have.
+  t.choice = (t.offer & kOfferNoBodyTags) && !body_tags ? BodyAuth::kNone
+             : (t.offer & kOfferPoly1305) && Poly1305Available() ? BodyAuth::kPoly1305
+                                                                 : BodyAuth::kHmacSha256;
+  t.ns = RandomBytes(kNonce);
   MetaWriter challenge;
-  challenge.Str(ns).U32(!key.empty()).Str(key.empty() ? "" : Mac(key, "acceptor", nc, ns, *identity));
+  challenge.Str(t.ns).U32(!key.empty()).Str(key.empty() ? "" : t.Mac(key, "acceptor"));
+  challenge.U32(static_cast<uint32_t>(t.choice));
   raw->Send(Header(MsgType::kAuthChallenge), challenge.bytes());
   if (!key.empty()) {
     const std::string proof = MetaReader(Expect(*raw, MsgType::kAuthProof)).Str();
-    if (!ConstantTimeEqual(proof, Mac(key, "connector", nc, ns, *identity)))
+    if (!ConstantTimeEqual(proof, t.Mac(key, "connector")))
       return refuse("wrong or missing cluster secret (set the same cluster.secret / BPSTRAIN_SECRET on every node)");
-    raw->Send(Header(MsgType::kAuthOk), MetaWriter().Str(Mac(key, "accepted", nc, ns, *identity)).bytes());
+    raw->Send(Header(MsgType::kAuthOk), MetaWriter().Str(t.Mac(key, "accepted")).bytes());
   }
   raw->SetDeadline(0);
   if (key.empty()) return raw;
-  return Wrap(std::move(raw), key, nc, ns, *identity, /*connector=*/false);
+  return Wrap(std::move(raw), key, t, /*connector=*/false);
 }
 
 std::atomic<int> HandshakeSlots::total_{0};

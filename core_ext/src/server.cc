@@ -187,7 +187,7 @@ void Server::ServeConnection(std::shared_ptr<Link> raw, std::shared_ptr<Handshak
   std::shared_ptr<Link> link;
   try {
     std::string identity;
-    link = SecureAccept(raw, key_for, &identity);
+    link = SecureAccept(raw, key_for, &identity, opts_.authenticate_bodies);
   } catch (const FrameError& e) {
     slots_.NoteFailure(from, std::string("malformed frame in the handshake: ") + e.what());
   } catch (const std::exception& e) {

@@ -49,6 +49,7 @@ struct ServerOptions {
   // Seconds a round may wait for its last push before it is dropped and its pushers are
   // told (the workers' own operation timeout has fired by then): memory stays bounded.
   double round_timeout = 300.0;
+  bool authenticate_bodies = true;  // see WorkerOptions::authenticate_bodies
 };
 
 class Server {

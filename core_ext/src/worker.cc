@@ -80,7 +80,7 @@ void Worker::Rendezvous() {
         // Authenticated with the credential the scheduler issued for this worker and
         // server: the server knows it is this rank, and this worker that it is the server.
         dc->link = ConnectSecure(*transport_, servers_[s], w.peer_keys[s], "worker " + std::to_string(rank_),
-                                 opts_.rendezvous_timeout, &stopping_);
+                                 opts_.rendezvous_timeout, &stopping_, opts_.authenticate_bodies);
         dc->link->set_peer("server " + std::to_string(s) + " at " + servers_[s]);
         // A small kernel send buffer keeps the credit meaningful: otherwise the kernel
         // takes megabytes per socket at once and the partitions' global order and the
@@ -134,12 +134,14 @@ void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
   const int sndbuf = auto_sndbuf ? AutoSocketSendBuffer(link_, peers) : opts_.socket_send_buffer;
   if (auto_sndbuf)
     for (const auto& dc : conns) dc->link->SetSendBuffer(sndbuf);
-  char line[320];
+  const auto* secure = conns.empty() ? nullptr : dynamic_cast<const SecureLink*>(conns[0]->link.get());
+  char line[360];
   std::snprintf(line, sizeof line,
                 "link to %zu server(s): %.1f MB/s, rtt %.0f us; partitions %s%lld bytes, credit %lld bytes, "
-                "socket send buffer %d bytes%s",
+                "socket send buffer %d bytes, body tags %s%s",
                 servers_.size(), link_.bytes_per_s / 1e6, link_.rtt_s * 1e6, auto_part ? "up to " : "",
                 static_cast<long long>(part), static_cast<long long>(credit_), sndbuf,
+                secure ? BodyAuthName(secure->body_auth()) : "none",
                 auto_part ? " (auto)" : " (partition_bytes set by the user: auto-tuning of partitions is off)");
   if (rank_ == 0 || !auto_part) LogInfo(line);
   else LogDebug(line);

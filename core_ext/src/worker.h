@@ -70,6 +70,9 @@ struct WorkerOptions {
   // SO_SNDBUF of data connections; -1 = auto (AutoSocketSendBuffer), 0 = kernel autotuning.
   int socket_send_buffer = -1;
   std::string transport = "tcp";  // "tcp" or "inproc" (Transport::Get)
+  // Tag every data frame's body (secure_link.h). false leaves bodies untagged only when
+  // the server is configured the same way; headers stay authenticated either way.
+  bool authenticate_bodies = true;
 };
 
 // Wall-clock microseconds (system_clock) of one finished operation's phases, recorded

@@ -51,6 +51,61 @@ def test_crypto_primitives_match_hashlib():
     assert _core.pbkdf2_sha256(b"pw", b"salt", 777) == hashlib.pbkdf2_hmac("sha256", b"pw", b"salt", 777)
 
 
+needs_libcrypto = pytest.mark.skipif(not _core.poly1305_available(), reason="no libcrypto.so.3 here")
+
+
+@needs_libcrypto
+def test_poly1305_matches_rfc_8439():
+    key = bytes.fromhex("85d6be7857556d337f4452fe42d506a80103808afb0db2fd4abff6af4149f51b")
+    tag = _core.poly1305(key, b"Cryptographic Forum Research Group")
+    assert tag.hex() == "a8061dc1305136c6c22b8baf0c0127a9"
+
+
+def test_body_tags_use_the_fastest_authenticator_both_ends_have(monkeypatch):
+    fakes = []
+    with InProcessCluster(2, 1, extra_workers=1, before_ready=lambda c: fakes.append(FakeWorker(c, 2))) as c:
+        fakes[0].welcome()
+        want = "poly1305" if _core.poly1305_available() else "hmac-sha256"
+        assert _core.link_body_auth(fakes[0].data_link()) == want
+        monkeypatch.setenv("BPSTRAIN_NO_LIBCRYPTO", "1")
+        assert _core.link_body_auth(fakes[0].data_link()) == "hmac-sha256"
+        monkeypatch.delenv("BPSTRAIN_NO_LIBCRYPTO")
+        # Untagged bodies need both ends to ask for them: this server does not.
+        link = c.connect_raw(c.servers[0].port, handshake=True, key=fakes[0].keys[0], identity="worker 2",
+                             body_tags=False)
+        assert _core.link_body_auth(link) == want
+        # The independent implementation (HMAC only) interoperates: a one-push round
+        # comes back with a body whose tag it checks.
+        conn = wire.Conn(c.servers[0].port)
+        wire.handshake(conn, fakes[0].keys[0], "worker 2")
+        conn.send(wire.PUSH, struct.pack("<I", 1), struct.pack("<4f", 1, 2, 3, 4), arg=16, flags=2 << 8,
+                  sender=2, key=3, version=0)
+        reply = conn.recv()
+        assert reply[0] == 13 and struct.unpack("<4f", reply[3]) == (1, 2, 3, 4)  # kPullReply
+        conn.close()
+        res = c.run_all(lambda r, w: push_pull(w, "x", np.ones(8, np.float32), participants=2))
+        assert all(np.all(x == 2) for x in res)
+        fakes[0].send(wire.GOODBYE)
+
+
+def test_bodies_go_untagged_only_when_both_ends_are_configured_so():
+    sched = _core.Scheduler(1, 1, host="127.0.0.1", port=0, rendezvous_timeout=20)
+    sched.start()
+    server = _core.Server("127.0.0.1", sched.port, numa="off", authenticate_bodies=False)
+    server.start()
+    w = _core.Worker("127.0.0.1", sched.port, numa="off", rendezvous_timeout=20, authenticate_bodies=False)
+    w.start()
+    try:
+        while not w.wait_ready(0.1):
+            pass
+        out = push_pull(w, "x", np.arange(1000, dtype=np.float32))
+        assert np.array_equal(out, np.arange(1000, dtype=np.float32))
+    finally:
+        w.shutdown()
+        server.stop()
+        sched.stop()
+
+
 def test_the_handshake_follows_its_specification_and_a_replay_is_refused():
     sched = _core.Scheduler(1, 1, host="127.0.0.1", port=0, rendezvous_timeout=30, secret=SECRET)
     sched.start()
@@ -128,7 +183,7 @@ def test_a_worker_refuses_a_scheduler_that_cannot_prove_the_key():
         with conn:
             hello = conn.recv(4096)
             assert hello
-            meta = wire.s(os.urandom(32)) + struct.pack("<I", 1) + wire.s(os.urandom(32))
+            meta = wire.s(os.urandom(32)) + struct.pack("<I", 1) + wire.s(os.urandom(32)) + struct.pack("<I", 0)
             conn.sendall(wire.frame(wire.AUTH_CHALLENGE, meta))
             conn.settimeout(5)
             assert conn.recv(4096) == b""  # the worker hung up without sending anything more
