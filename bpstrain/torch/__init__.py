@@ -31,6 +31,9 @@ from bpstrain.torch.ops import (broadcast, broadcast_, broadcast_async, broadcas
                                 push_pull, push_pull_async, push_pull_async_inplace,
                                 push_pull_inplace, rank, shutdown, size, synchronize)
 from bpstrain.torch.optimizer import DistributedOptimizer
+from bpstrain.torch import process_group as _process_group
+
+_process_group.register()
 
 __all__ = [
     "Compression", "CrossBarrier", "DistributedOptimizer", "broadcast", "broadcast_", "broadcast_async",
