@@ -92,6 +92,7 @@ class _DistributedMixin:
     """Placed before the optimizer's class in the MRO; see DistributedOptimizer."""
 
     _bps_reducer: GradientReducer
+    _bps_compression = None
 
     def apply(self, grads, trainable_variables=None):
         """Averages ``grads`` over all ranks, then applies them (every N-th call)."""
@@ -109,9 +110,14 @@ class _DistributedMixin:
                     self.build(variables)
         present = [i for i, g in enumerate(grads) if g is not None]
         keys = [self._bps_key(variables, i) for i in present]
-        update, reduced = _reduce([grads[i] for i in present], keys, self._bps_reducer)
-        for i, value in zip(present, reduced):
-            grads[i] = value
+        compression = self._bps_compression
+        if compression is None:
+            sent, contexts = [grads[i] for i in present], [None] * len(present)
+        else:
+            sent, contexts = zip(*[compression.compress(grads[i]) for i in present])
+        update, reduced = _reduce(list(sent), keys, self._bps_reducer)
+        for i, value, ctx in zip(present, reduced, contexts):
+            grads[i] = value if compression is None else compression.decompress(value, ctx)
         apply = super().apply
 
         def skip():
@@ -177,7 +183,7 @@ def _reduce_in_tf_graph(grads, keys, reducer: GradientReducer):
 
 def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False,
-                         name: Optional[str] = None):
+                         name: Optional[str] = None, compression=None):
     """Returns a copy of ``optimizer`` that averages gradients over all ranks.
 
     Example::
@@ -196,9 +202,15 @@ def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
         name: Prefix of the engine names. The default, ``Distributed<Class>.<k>``,
             numbers the wrapped optimizers of this process, so every rank must create
             them in the same order; pass a name when they do not.
+        compression: None, or a compressor for the backend's tensors (with the
+            TensorFlow backend ``bpstrain.tensorflow.Compression.fp16``, with torch
+            ``bpstrain.torch.Compression.fp16``): gradients travel compressed and come
+            back in their own dtype. Not with ``backward_passes_per_step > 1`` (the
+            local sum would be kept in the compressed dtype).
 
     Raises:
-        ValueError: ``optimizer`` is not a Keras optimizer, or is already distributed.
+        ValueError: ``optimizer`` is not a Keras optimizer, or is already distributed,
+            or ``compression`` is combined with ``backward_passes_per_step > 1``.
     """
     import keras
 
@@ -213,6 +225,11 @@ def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
         warnings.warn("DistributedOptimizer rebuilds the optimizer from its config; the state "
                       "of the built one (slots, iterations) is not carried over. Wrap it "
                       "before use. Received: a built optimizer", stacklevel=2)
+    if compression is not None and backward_passes_per_step != 1:
+        raise ValueError("compression cannot be combined with backward_passes_per_step > 1 "
+                         "(the local sum would be kept in the compressed dtype); aggregate "
+                         "uncompressed. Received: compression="
+                         f"{compression!r}, backward_passes_per_step={backward_passes_per_step}")
     base = type(optimizer)
     reducer = GradientReducer(name or f"Distributed{base.__name__}.{next(_instances)}",
                               backward_passes_per_step,
@@ -222,4 +239,5 @@ def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
                {"__module__": base.__module__, "__qualname__": base.__qualname__})
     wrapped = cls.from_config(optimizer.get_config())
     wrapped._bps_reducer = reducer
+    wrapped._bps_compression = compression
     return wrapped

@@ -23,6 +23,11 @@ Example, a custom training loop run with
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
+``Compression.none``/``Compression.fp16`` and ``op=Average``/``op=Sum`` are taken by
+``push_pull``, ``DistributedGradientTape`` and ``DistributedOptimizer`` as in Horovod;
+Keras scripts written for ``horovod.tensorflow.keras`` / ``byteps.tensorflow.keras``
+import :mod:`bpstrain.tensorflow.keras`.
+
 Operations work eagerly and inside ``tf.function`` (not under XLA:
 ``jit_compile=True`` raises ValueError). Supported dtypes: uint8, int8, int32, int64,
 float16, bfloat16, float32, float64.
@@ -38,13 +43,14 @@ op timeout.
 from bpstrain.engine import (barrier, init, is_initialized, local_rank, local_size, rank,
                              shutdown, size)
 from bpstrain.errors import BpsError, MismatchError, PeerError
-from bpstrain.tensorflow._ops import broadcast, check_not_xla, push_pull
+from bpstrain.tensorflow._ops import Average, Sum, broadcast, check_not_xla, push_pull
 from bpstrain.tensorflow._optim import (DistributedGradientTape, DistributedOptimizer,
                                         broadcast_variables)
+from bpstrain.tensorflow.compression import Compression
 
 __all__ = [
-    "BpsError", "DistributedGradientTape", "DistributedOptimizer", "MismatchError",
+    "Average", "BpsError", "Compression", "DistributedGradientTape", "DistributedOptimizer", "MismatchError",
     "PeerError", "barrier", "broadcast", "broadcast_variables", "check_not_xla", "init",
     "is_initialized",
-    "local_rank", "local_size", "push_pull", "rank", "shutdown", "size",
+    "local_rank", "local_size", "push_pull", "rank", "shutdown", "size", "Sum",
 ]

@@ -18,6 +18,32 @@ from typing import List, Optional, Sequence
 import tensorflow as tf
 
 from bpstrain import _group, engine
+from bpstrain.engine import Op
+from bpstrain.tensorflow.compression import Compression, check_compression
+
+Average = Op.AVERAGE
+"""``op=Average``: the mean over all ranks (Horovod's ``hvd.Average``)."""
+Sum = Op.SUM
+"""``op=Sum``: the sum over all ranks (Horovod's ``hvd.Sum``)."""
+
+
+def resolve_average(average: Optional[bool], op) -> bool:
+    """Horovod's ``average=``/``op=`` pair as one bool (True: average, the default).
+
+    Raises:
+        ValueError: both are given, or ``op`` is neither ``Average`` nor ``Sum``
+            (Adasum, Min, Max and Product do not map onto the parameter servers).
+    """
+    if op is None:
+        return True if average is None else bool(average)
+    if average is not None:
+        raise ValueError("pass op= or average=, not both (op supersedes the deprecated "
+                         f"average). Received: average={average!r}, op={op!r}")
+    if op is Op.AVERAGE or op is Op.SUM:
+        return op is Op.AVERAGE
+    raise ValueError("op must be bpstrain.tensorflow.Average or Sum (the parameter servers "
+                     "sum; Adasum, Min, Max and Product are not offered: reduce with Sum "
+                     f"and post-process, or use Average). Received: op={op!r}")
 
 def tensor_name(kind: str, tensor, name: Optional[str]) -> str:
     """The engine name of ``tensor``: ``name``, or one every rank derives alike.
@@ -83,7 +109,8 @@ def run_group(kind: str, tensors: Sequence, names: Sequence[str], average: bool 
     return list(outs)
 
 
-def push_pull(tensor, average: bool = True, name: Optional[str] = None, priority: int = 0):
+def push_pull(tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              priority: int = 0, compression=Compression.none, op=None):
     """Sums or averages ``tensor`` over all ranks (eagerly or inside ``tf.function``).
 
     Differentiable: the gradient of an average is the average of the upstream
@@ -92,13 +119,15 @@ def push_pull(tensor, average: bool = True, name: Optional[str] = None, priority
     Args:
         tensor: A tensor of dtype uint8, int8, int32, int64, float16, bfloat16,
             float32 or float64. Integer averages use floor division.
-        average: Average (default) or sum.
+        average: Average (default) or sum; or say it with ``op``.
         name: Engine name; every rank must use the same one. Derived from the graph
             tensor inside ``tf.function``; counted per call when eager and omitted.
             The derived name does not include shape or dtype (so that ranks that
             disagree get an error, not a wait): a function traced again with another
             shape or dtype, or two functions of one Python name, need explicit names.
         priority: Larger is sent sooner.
+        compression: ``Compression.fp16`` sends floating tensors as float16.
+        op: ``Average`` or ``Sum`` (Horovod's spelling of ``average``).
 
     Returns:
         A tensor of the same shape and dtype.
@@ -106,9 +135,14 @@ def push_pull(tensor, average: bool = True, name: Optional[str] = None, priority
     Raises:
         MismatchError: eagerly, when ranks disagree on shape or dtype (inside
             ``tf.function``: ``tf.errors.UnknownError`` carrying that message).
+        ValueError: both ``average`` and ``op``, or an ``op`` other than Average/Sum.
     """
+    average = resolve_average(average, op)
+    check_compression(compression)
     tensor = tf.convert_to_tensor(tensor)
-    return _push_pull(tensor, average, tensor_name("push_pull", tensor, name), priority)
+    name = tensor_name("push_pull", tensor, name)
+    sent, ctx = compression.compress(tensor)
+    return compression.decompress(_push_pull(sent, average, name, priority), ctx)
 
 
 def _push_pull(tensor, average, name, priority):

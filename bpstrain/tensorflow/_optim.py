@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from bpstrain import _group
 from bpstrain.tensorflow import _ops
+from bpstrain.tensorflow.compression import Compression, check_compression
 
 
 def broadcast_variables(variables: Iterable, root_rank: int, name: str = "broadcast"):
@@ -34,20 +35,21 @@ def broadcast_variables(variables: Iterable, root_rank: int, name: str = "broadc
 
 
 def reduce_gradients(grads: Sequence, sources: Sequence, prefix: str,
-                     average: bool = True) -> List:
+                     average: bool = True, compression=Compression.none) -> List:
     """push_pulls the non-None gradients as one group; None stays None.
 
     Engine names are ``<prefix>.<source variable path>`` (index for unnamed
-    sources). IndexedSlices (embedding gradients) are sent dense.
+    sources). IndexedSlices (embedding gradients) are sent dense, compressed by
+    ``compression`` on the way.
     """
     present = [i for i, g in enumerate(grads) if g is not None]
     names = _group.unique_names([
         f"{prefix}.{_source_name(sources[i], i) if i < len(sources) else i}" for i in present])
-    dense = [tf.convert_to_tensor(grads[i]) for i in present]
-    reduced = _ops.run_group("push_pull", dense, names, average)
+    sent = [compression.compress(tf.convert_to_tensor(grads[i])) for i in present]
+    reduced = _ops.run_group("push_pull", [t for t, _ in sent], names, average)
     out = list(grads)
-    for i, value in zip(present, reduced):
-        out[i] = value
+    for i, value, (_, ctx) in zip(present, reduced, sent):
+        out[i] = compression.decompress(value, ctx)
     return out
 
 
@@ -62,6 +64,7 @@ class _DistributedTapeMixin:
 
     _bps_prefix = "DistributedGradientTape"
     _bps_average = True
+    _bps_compression = Compression.none
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
@@ -69,12 +72,15 @@ class _DistributedTapeMixin:
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         flat_sources = tf.nest.flatten(sources, expand_composites=False)
-        reduced = reduce_gradients(flat_grads, flat_sources, self._bps_prefix, self._bps_average)
+        reduced = reduce_gradients(flat_grads, flat_sources, self._bps_prefix, self._bps_average,
+                                   self._bps_compression)
         return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
 
 
-def DistributedGradientTape(gradtape: tf.GradientTape, average: bool = True,
-                            name: Optional[str] = None) -> tf.GradientTape:
+def DistributedGradientTape(gradtape: tf.GradientTape, average: Optional[bool] = None,
+                            name: Optional[str] = None, compression=Compression.none,
+                            op=None, device_dense: str = "", device_sparse: str = "",
+                            sparse_as_dense: bool = False) -> tf.GradientTape:
     """Wraps a recorded tape so that ``gradient()`` averages over all ranks.
 
     Example::
@@ -86,13 +92,25 @@ def DistributedGradientTape(gradtape: tf.GradientTape, average: bool = True,
 
     Args:
         gradtape: The tape (its recording is shared, not copied).
-        average: Average (default) or sum the gradients.
+        average: Average (default) or sum the gradients; or say it with ``op``.
         name: Prefix of the engine names; give two tapes over different variables
             with the same paths distinct names.
+        compression: ``Compression.fp16`` sends floating gradients as float16 (they
+            come back in their own dtype).
+        op: ``Average`` (default) or ``Sum``, as in Horovod.
+        device_dense, device_sparse: Accepted for Horovod/BytePS compatibility and
+            ignored: gradients travel through host memory.
+        sparse_as_dense: Accepted and ignored: IndexedSlices are always sent dense.
 
     Returns:
         An instance of a subclass of ``type(gradtape)``.
+
+    Raises:
+        ValueError: not a tape, both ``average`` and ``op``, an ``op`` other than
+            Average/Sum, or a ``compression`` without compress/decompress.
     """
+    average = _ops.resolve_average(average, op)
+    check_compression(compression)
     if not isinstance(gradtape, tf.GradientTape):
         raise ValueError("DistributedGradientTape wraps a tf.GradientTape. "
                          f"Received: {type(gradtape).__name__}")
@@ -102,23 +120,25 @@ def DistributedGradientTape(gradtape: tf.GradientTape, average: bool = True,
     tape.__dict__.update(gradtape.__dict__)
     tape._bps_prefix = name or "DistributedGradientTape"
     tape._bps_average = average
+    tape._bps_compression = compression
     return tape
 
 
 class _DistributedV1Optimizer(tf.compat.v1.train.Optimizer):
     """A tf.compat.v1.train.Optimizer whose compute_gradients averages over ranks."""
 
-    def __init__(self, optimizer, name: Optional[str], average: bool):
+    def __init__(self, optimizer, name: Optional[str], average: bool, compression):
         self._optimizer = optimizer
         self._bps_prefix = name or f"Distributed{type(optimizer).__name__}"
         self._bps_average = average
+        self._bps_compression = compression
         super().__init__(name=self._bps_prefix, use_locking=False)
 
     def compute_gradients(self, *args, **kwargs):
         """Gradients of the wrapped optimizer, averaged over all ranks."""
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         grads = reduce_gradients([g for g, _ in pairs], [v for _, v in pairs],
-                                 self._bps_prefix, self._bps_average)
+                                 self._bps_prefix, self._bps_average, self._bps_compression)
         return list(zip(grads, [v for _, v in pairs]))
 
     def apply_gradients(self, *args, **kwargs):
@@ -138,9 +158,11 @@ class _DistributedV1Optimizer(tf.compat.v1.train.Optimizer):
         return self._optimizer.variables(*args, **kwargs)
 
 
-def DistributedOptimizer(optimizer, name: Optional[str] = None, average: bool = True,
+def DistributedOptimizer(optimizer, name: Optional[str] = None, average: Optional[bool] = None,
                          backward_passes_per_step: int = 1,
-                         average_aggregated_gradients: bool = False):
+                         average_aggregated_gradients: bool = False,
+                         compression=Compression.none, op=None, device_dense: str = "",
+                         device_sparse: str = "", sparse_as_dense: bool = False):
     """Wraps an optimizer so that gradients are averaged over all ranks before use.
 
     Args:
@@ -151,25 +173,34 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, average: bool = 
         average: Average (default) or sum; v1 optimizers only (Keras always averages).
         backward_passes_per_step: Keras optimizers only; see bpstrain.keras.
         average_aggregated_gradients: Keras optimizers only; see bpstrain.keras.
+        compression: ``Compression.fp16`` sends floating gradients as float16.
+        op: ``Average`` (default) or ``Sum`` (v1 optimizers only), as in Horovod.
+        device_dense, device_sparse, sparse_as_dense: Accepted for Horovod/BytePS
+            compatibility and ignored (host memory; IndexedSlices are sent dense).
 
     Raises:
         ValueError: ``optimizer`` is neither kind, or options do not apply to it.
     """
     import keras
 
+    average = _ops.resolve_average(average, op)
+    check_compression(compression)
     if isinstance(optimizer, keras.optimizers.Optimizer):
         if not average:
-            raise ValueError("Keras optimizers always average gradients. Received: average=False")
+            raise ValueError("Keras optimizers always average gradients. Received: "
+                             "average=False or op=Sum")
         from bpstrain.keras import DistributedOptimizer as keras_distributed
 
         return keras_distributed(optimizer, name=name,
                                  backward_passes_per_step=backward_passes_per_step,
-                                 average_aggregated_gradients=average_aggregated_gradients)
+                                 average_aggregated_gradients=average_aggregated_gradients,
+                                 compression=None if compression is Compression.none
+                                 else compression)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if backward_passes_per_step != 1 or average_aggregated_gradients:
             raise ValueError("backward_passes_per_step applies to Keras optimizers only. "
                              f"Received: backward_passes_per_step={backward_passes_per_step} "
                              f"with {type(optimizer).__name__}")
-        return _DistributedV1Optimizer(optimizer, name, average)
+        return _DistributedV1Optimizer(optimizer, name, average, compression)
     raise ValueError("DistributedOptimizer wraps a keras.optimizers.Optimizer or a "
                      f"tf.compat.v1.train.Optimizer. Received: {type(optimizer).__name__}")

@@ -201,6 +201,49 @@ def check_xla_refused(r, n):
         raise AssertionError("push_pull under XLA did not raise")
 
 
+def check_ops_and_compression(r, n):
+    """op=Sum/Average, Compression.fp16 (really float16 on the wire), Horovod signatures."""
+    import pytest
+
+    mine = tf.fill([2], float(r + 1))
+    expect(bps.push_pull(mine, op=bps.Sum, name="op.sum"), [n * (n + 1) / 2] * 2, "op=Sum")
+    expect(bps.push_pull(mine, op=bps.Average, name="op.avg"), [(n + 1) / 2] * 2, "op=Average")
+    with pytest.raises(ValueError, match="not both"):
+        bps.push_pull(mine, average=True, op=bps.Sum)
+    with pytest.raises(ValueError, match="Average or Sum"):
+        bps.push_pull(mine, op="Adasum")
+    with pytest.raises(ValueError, match="compress"):
+        bps.push_pull(mine, compression="fp16")
+
+    fine = 1.0 + 2.0 ** -12  # exact in float32, 1.0 in float16
+    x = tf.constant([fine, 3.0])
+    plain = bps.push_pull(x, name="comp.none")
+    small = bps.push_pull(x, name="comp.fp16", compression=bps.Compression.fp16)
+    assert small.dtype == tf.float32, small.dtype
+    expect(plain, [fine, 3.0], "no compression")
+    expect(small, [1.0, 3.0], "fp16 compression")
+
+    v = tf.Variable([1.0, 2.0])
+
+    @tf.function
+    def summed_fp16_grads():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v * tf.constant([fine, float(r + 1)]))
+        tape = bps.DistributedGradientTape(tape, compression=bps.Compression.fp16, op=bps.Sum,
+                                           device_dense="", device_sparse="",
+                                           sparse_as_dense=True, name="comp.tape")
+        return tape.gradient(loss, [v])[0]
+
+    expect(summed_fp16_grads(), [n, n * (n + 1) / 2], "tape op=Sum, fp16")
+
+    v1 = tf.compat.v1.train.GradientDescentOptimizer(1.0)
+    dist = bps.DistributedOptimizer(v1, op=bps.Sum, compression=bps.Compression.fp16,
+                                    name="comp.v1")
+    w = tf.Variable([0.0])
+    dist.apply_gradients(dist.compute_gradients(lambda: tf.reduce_sum(w * fine), [w]))
+    expect(w.numpy(), [-n * 1.0], "v1 optimizer op=Sum, fp16")
+
+
 CHECKS = [
     ("dtypes", check_dtypes),
     ("graph_names", check_graph_names),
@@ -210,6 +253,7 @@ CHECKS = [
     ("mismatch", check_mismatch),
     ("custom_loop", check_custom_loop),
     ("xla_refused", check_xla_refused),
+    ("ops_and_compression", check_ops_and_compression),
 ]
 
 
