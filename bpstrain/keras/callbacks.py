@@ -39,23 +39,42 @@ def broadcast_variables(variables, root_rank: int, prefix: Optional[str] = None)
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """Broadcasts model and optimizer variables from ``root_rank`` at train begin.
+    """Broadcasts model and optimizer variables from ``root_rank`` once, on the first ``fit``.
 
-    Keras 3 builds the model and the optimizer before ``on_train_begin``, so one
-    broadcast there gives every rank the same start (weights, optimizer slots,
-    iterations, learning rate). It runs once, on the first ``fit``.
+    A built model (an ``Input`` or input shape given) is broadcast in
+    ``on_train_begin``, so every rank starts from the same weights, optimizer slots,
+    iterations and learning rate. A lazily built model (a ``Sequential`` without an
+    input shape, a subclassed model never called) has no variables before its first
+    step; it is broadcast right after that step, before the second batch (or at the
+    end of the epoch, when it has one batch), as Horovod does. Only then is the
+    optimizer built: building it earlier, over no variables, would make the first
+    step fail with "Unknown variable".
 
     Args:
         root_rank: The rank whose variables everyone gets.
+        device: Accepted for BytePS/Horovod compatibility and ignored: bpstrain moves
+            the values through host memory whatever the device.
     """
 
-    def __init__(self, root_rank: int = 0):
+    def __init__(self, root_rank: int = 0, device: Optional[str] = ""):
         super().__init__()
         self.root_rank = root_rank
+        self.device = device
         self.broadcast_done = False
 
     def on_train_begin(self, logs=None):
-        if self.broadcast_done:
+        self._broadcast_once()
+
+    # on_train_batch_begin, unlike on_train_batch_end, keeps Keras' asynchronous batch
+    # dispatch on; batch 1 begins right after the first step has built the model.
+    def on_train_batch_begin(self, batch, logs=None):
+        self._broadcast_once()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._broadcast_once()
+
+    def _broadcast_once(self) -> None:
+        if self.broadcast_done or not _model_is_built(self.model):
             return
         broadcast_variables(self.model.variables, self.root_rank)
         optimizer = getattr(self.model, "optimizer", None)
@@ -66,13 +85,29 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = True
 
 
+def _model_is_built(model) -> bool:
+    """Whether the model and every layer in it has created its variables."""
+    if not getattr(model, "built", True):
+        return False
+    layers = getattr(model, "_flatten_layers", None)
+    return layers is None or all(getattr(layer, "built", True) for layer in layers())
+
+
 class MetricAverageCallback(keras.callbacks.Callback):
     """Replaces each epoch-end metric in ``logs`` by its average over all ranks.
 
     ``history.history`` then holds the same values on every rank. Batch-level
     progress bars still show local values (averaging them would cost a round
     trip per batch).
+
+    Args:
+        device: Accepted for BytePS/Horovod compatibility and ignored (metrics are
+            averaged through host memory).
     """
+
+    def __init__(self, device: Optional[str] = ""):
+        super().__init__()
+        self.device = device
 
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
@@ -102,7 +137,9 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Sets ``optimizer.learning_rate = initial_lr * multiplier(epoch)`` (Horovod's meaning).
 
     Args:
-        initial_lr: The base learning rate (usually already scaled by ``size()``).
+        initial_lr: The base learning rate (usually already scaled by ``size()``);
+            None (BytePS's signature, which has no such argument) takes the
+            optimizer's rate when the first ``fit`` begins.
         multiplier: A number, or a function of the epoch; with ``staircase=False``
             the epoch is fractional (``epoch + batch / steps_per_epoch``).
         start_epoch: First epoch (inclusive) the schedule acts on.
@@ -115,12 +152,13 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         verbose: Print the rate when it changes (rank 0 only).
     """
 
-    def __init__(self, initial_lr: float, multiplier: Union[float, Callable] = 1.0,
+    def __init__(self, initial_lr: Optional[float] = None,
+                 multiplier: Union[float, Callable] = 1.0,
                  start_epoch: int = 0, end_epoch: Optional[int] = None, staircase: bool = True,
                  momentum_correction: bool = False, steps_per_epoch: Optional[int] = None,
                  verbose: int = 0):
         super().__init__()
-        self.initial_lr = float(initial_lr)
+        self.initial_lr = None if initial_lr is None else float(initial_lr)
         if callable(multiplier):
             self.multiplier = multiplier
             self.staircase = staircase
@@ -134,6 +172,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.current_epoch = 0
 
     def on_train_begin(self, logs=None):
+        if self.initial_lr is None:
+            self.initial_lr = get_learning_rate(self.model.optimizer)
         if self.momentum_correction:
             warnings.warn("momentum_correction is not applied with Keras 3 optimizers (their "
                           "momentum is a constant of the compiled train step). Received: "
@@ -172,20 +212,26 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
     """Ramps the learning rate from ``initial_lr / size()`` to ``initial_lr`` (Goyal et al.).
 
+    Both Horovod's ``LearningRateWarmupCallback(initial_lr=..., warmup_epochs=...)``
+    and BytePS's ``LearningRateWarmupCallback(warmup_epochs=..., momentum_correction=...,
+    steps_per_epoch=..., verbose=...)`` (the target is the optimizer's rate) work; a
+    positional first argument is Horovod's ``initial_lr``.
+
     Horovod's formula, per batch: ``lr = initial_lr / size * (e * (size - 1) /
     warmup_epochs + 1)`` with ``e = epoch + (batch + 1) / steps_per_epoch``, so the
     last batch of epoch ``warmup_epochs - 1`` runs at ``initial_lr``. Afterwards the
     rate is left alone (a later schedule may take over).
 
     Args:
-        initial_lr: The target rate, usually ``base_lr * size()``.
+        initial_lr: The target rate, usually ``base_lr * size()``; None: the
+            optimizer's learning rate when the first ``fit`` begins.
         warmup_epochs: Number of epochs of the ramp.
         momentum_correction: See :class:`LearningRateScheduleCallback`.
         steps_per_epoch: Batches per epoch; default: what ``fit`` reports.
         verbose: Print when the warm-up ends (rank 0 only).
     """
 
-    def __init__(self, initial_lr: float, warmup_epochs: int = 5,
+    def __init__(self, initial_lr: Optional[float] = None, warmup_epochs: int = 5,
                  momentum_correction: bool = False, steps_per_epoch: Optional[int] = None,
                  verbose: int = 0):
         self.warmup_epochs = warmup_epochs
@@ -225,8 +271,9 @@ def set_learning_rate(optimizer, value: float) -> None:
 class BytePSCallback(keras.callbacks.Callback):
     """The usual set in one callback: broadcast, metric averaging, optional warm-up.
 
-    * ``on_train_begin``: broadcasts model and optimizer variables from ``root_rank``
-      (Keras 3 has built both by then), once per callback object;
+    * ``on_train_begin``: broadcasts model and optimizer variables from ``root_rank``,
+      once per callback object (a lazily built model: after its first step, see
+      :class:`BroadcastGlobalVariablesCallback`);
     * ``on_epoch_end``: averages the epoch's metrics over all ranks (``history``
       is then identical everywhere);
     * with ``warmup_epochs > 0``: :class:`LearningRateWarmupCallback` to
@@ -280,10 +327,7 @@ class BytePSCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self.broadcast.on_train_begin(logs)
         if self.warmup_epochs and self.warmup is None:
-            target = self.initial_lr
-            if target is None:
-                target = get_learning_rate(self.model.optimizer)
-            self.warmup = LearningRateWarmupCallback(target, self.warmup_epochs,
+            self.warmup = LearningRateWarmupCallback(self.initial_lr, self.warmup_epochs,
                                                      steps_per_epoch=self.steps_per_epoch,
                                                      verbose=self.verbose)
             self.warmup.set_model(self.model)
@@ -296,10 +340,12 @@ class BytePSCallback(keras.callbacks.Callback):
             self.warmup.on_epoch_begin(epoch, logs)
 
     def on_train_batch_begin(self, batch, logs=None):
+        self.broadcast.on_train_batch_begin(batch, logs)  # a lazily built model
         if self.warmup is not None:
             self.warmup.on_train_batch_begin(batch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
+        self.broadcast.on_epoch_end(epoch, logs)  # a lazily built model, one batch
         if self.warmup is not None:
             self.warmup.on_epoch_end(epoch, logs)
         if self.metrics is not None:

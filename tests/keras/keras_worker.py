@@ -196,6 +196,116 @@ def check_xla_switched_off(r, n):
     same_as_rank0(weights(model.variables), "xla.model")
 
 
+def lazy_model(seed):
+    """The BytePS/Horovod TF2 MNIST shape: a Sequential without an input shape."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.layers.Dense(16, activation="relu", kernel_initializer=init(seed)),
+        keras.layers.Dense(1, kernel_initializer=init(seed + 1)),
+    ])
+
+
+def check_lazy_model_broadcast(r, n):
+    """A lazily built model trains and ends identical everywhere (it starts different).
+
+    BytePS's callback arguments: ``device=`` and a warm-up without ``initial_lr``.
+    """
+    model = lazy_model(seed=30 + r)
+    assert not model.variables, "the model should not be built before fit"
+    model.compile(optimizer=bps.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                                     name="lazy"),
+                  loss="binary_crossentropy")
+    x, y = rank_data(r)
+    record = RecordLearningRate()
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[
+        bps.BroadcastGlobalVariablesCallback(0, device=""),
+        bps.MetricAverageCallback(device=""),
+        bps.LearningRateWarmupCallback(warmup_epochs=1, momentum_correction=False,
+                                       steps_per_epoch=None, verbose=0),
+        record,
+    ])
+    same_as_rank0(weights(model.variables), "lazy.model")
+    same_as_rank0(weights(model.optimizer.variables), "lazy.optimizer")
+    same_as_rank0([np.array(history.history["loss"])], "lazy.history")
+    # The warm-up target is the optimizer's rate (0.05), reached at the end of epoch 0.
+    expected = [warmup_lr(0.05, n, 1, b / STEPS) for b in range(STEPS)] + [0.05] * STEPS
+    np.testing.assert_allclose(record.at_batch_begin, expected, rtol=1e-6)
+
+    one_batch = lazy_model(seed=40 + r)  # an epoch of one batch: broadcast at epoch end
+    one_batch.compile(optimizer=bps.DistributedOptimizer(keras.optimizers.Adam(0.01),
+                                                         name="lazy.bytepscallback"),
+                      loss="mse")
+    one_batch.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0,
+                  callbacks=[bps.BytePSCallback()])
+    same_as_rank0(weights(one_batch.variables), "lazy.bytepscallback")
+
+
+def check_tensorflow_keras_module(r, n):
+    """TF backend: ``import bpstrain.tensorflow.keras as hvd`` runs Horovod's MNIST script."""
+    if BACKEND != "tensorflow":
+        return  # the module is TensorFlow's (importing it here would load TF into torch)
+    import pytest
+    import tensorflow as tf
+
+    import bpstrain.tensorflow as btf
+    import bpstrain.tensorflow.keras as hvd
+
+    assert hvd.rank() == r and hvd.size() == n and hvd.local_rank() == bps.local_rank()
+    assert hvd.Average is btf.Average and hvd.Compression is btf.Compression
+    model = tf.keras.Sequential([  # Horovod's tensorflow2_keras_mnist.py model, smaller
+        tf.keras.layers.Conv2D(4, [3, 3], activation="relu",
+                               kernel_initializer=keras.initializers.GlorotUniform(r)),
+        tf.keras.layers.MaxPooling2D(pool_size=(2, 2)),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(10, activation="softmax",
+                              kernel_initializer=keras.initializers.GlorotUniform(r + 1)),
+    ])
+    opt = hvd.DistributedOptimizer(tf.optimizers.Adam(0.001 * hvd.size()),
+                                   compression=hvd.Compression.fp16,
+                                   backward_passes_per_step=1, average_aggregated_gradients=True)
+    model.compile(loss=tf.losses.SparseCategoricalCrossentropy(), optimizer=opt,
+                  metrics=["accuracy"])
+    rng = np.random.default_rng(r)
+    images = rng.random((4 * 8, 8, 8, 1)).astype("float32")
+    labels = rng.integers(0, 10, 4 * 8).astype("int64")
+    dataset = tf.data.Dataset.from_tensor_slices((images, labels)).repeat().batch(8)
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                 hvd.callbacks.MetricAverageCallback(),
+                 hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.001 * hvd.size(),
+                                                          warmup_epochs=1, verbose=0)]
+    model.fit(dataset, steps_per_epoch=4, callbacks=callbacks, epochs=2, verbose=0)
+    same_as_rank0(weights(model.variables), "tfkeras.model")
+    np.testing.assert_allclose(hvd.allreduce(np.float32(r), op=hvd.Sum, name="tfkeras.sum"),
+                               n * (n - 1) / 2)
+    np.testing.assert_array_equal(hvd.broadcast(np.full(2, r), n - 1, name="tfkeras.bc"),
+                                  [n - 1] * 2)
+    with pytest.raises(ValueError, match="always average"):
+        hvd.DistributedOptimizer(tf.optimizers.SGD(0.1), op=hvd.Sum)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(tf.optimizers.SGD(0.1), compression=hvd.Compression.fp16,
+                                 backward_passes_per_step=2)
+    with pytest.raises(NotImplementedError, match="BroadcastGlobalVariablesCallback"):
+        hvd.broadcast_global_variables(0)
+
+
+def check_keras_compression(r, n):
+    """Compression.fp16 really sends float16: 1 + 2**-12 arrives as 1.0 (SGD, lr 1)."""
+    if BACKEND == "tensorflow":
+        from bpstrain.tensorflow import Compression
+    else:
+        from bpstrain.torch import Compression
+    fine = 1.0 + 2.0 ** -12  # exact in float32, rounds to 1.0 in float16
+    for compression, expected_step in ((None, fine), (Compression.fp16, 1.0)):
+        v = keras.Variable(np.zeros(3, "float32"))
+        opt = bps.DistributedOptimizer(keras.optimizers.SGD(1.0), compression=compression,
+                                       name=f"compression.{compression is None}")
+        opt.apply([keras.ops.convert_to_tensor(np.full(3, fine, "float32"))], [v])
+        got = keras.ops.convert_to_numpy(v)
+        assert got.dtype == np.float32, got.dtype
+        np.testing.assert_array_equal(got, np.full(3, -expected_step, "float32"),
+                                      err_msg=f"compression={compression}")
+
+
 CHECKS = [
     ("helpers", check_helpers),
     ("bytepscallback_fit", check_bytepscallback),
@@ -206,6 +316,9 @@ CHECKS = [
      lambda r, n: check_aggregation(r, n, average_aggregated=False, run_eagerly=True)),
     ("misuse", check_misuse),
     ("xla_switched_off", check_xla_switched_off),
+    ("lazy_model_broadcast", check_lazy_model_broadcast),
+    ("tensorflow_keras_module", check_tensorflow_keras_module),
+    ("keras_compression", check_keras_compression),
 ]
 
 
