@@ -9,6 +9,9 @@ BytePS's rank rules, exactly: ``DMLC_NUM_WORKER`` counts worker *hosts*, each ru
 ``BYTEPS_LOCAL_SIZE`` processes, so the job has ``DMLC_NUM_WORKER * BYTEPS_LOCAL_SIZE``
 workers and a process's rank is ``DMLC_WORKER_ID * BYTEPS_LOCAL_SIZE + BYTEPS_LOCAL_RANK``. A malformed value raises :class:`bpstrain.errors.ConfigError` naming
 the variable, what it got and the expected form.
+
+Workers started by torchrun (``DMLC_ROLE=worker`` and torchrun's ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``WORLD_SIZE``) get those where BytePS's are unset.
 """
 
 from __future__ import annotations
@@ -163,6 +166,33 @@ def _interface_address(ifname: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
+# torchrun's names for BytePS's, used where BytePS's own are unset (BytePS's win).
+_TORCHRUN = (("BYTEPS_LOCAL_RANK", "LOCAL_RANK"), ("BYTEPS_LOCAL_SIZE", "LOCAL_WORLD_SIZE"),
+             ("DMLC_WORKER_ID", "GROUP_RANK"))
+
+
+def _with_torchrun_names(env: Mapping[str, str]) -> Mapping[str, str]:
+    """A worker started by torchrun: LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK stand in
+    for BYTEPS_LOCAL_RANK, BYTEPS_LOCAL_SIZE and DMLC_WORKER_ID, and WORLD_SIZE /
+    LOCAL_WORLD_SIZE for DMLC_NUM_WORKER, so rank = GROUP_RANK * LOCAL_WORLD_SIZE +
+    LOCAL_RANK is torchrun's RANK. Only DMLC_ROLE=worker processes read them."""
+    if (_get(env, "DMLC_ROLE") or "").lower() != "worker" or not _get(env, "LOCAL_WORLD_SIZE"):
+        return env
+    merged = dict(env)
+    for ours, theirs in _TORCHRUN:
+        if not _get(env, ours) and _get(env, theirs):
+            merged[ours] = env[theirs]
+    world = _int(env, "WORLD_SIZE", None, minimum=1)
+    local = _int(env, "LOCAL_WORLD_SIZE", None, minimum=1)
+    if not _get(env, "DMLC_NUM_WORKER") and world is not None:
+        if world % local:
+            raise ConfigError("torchrun's WORLD_SIZE must be a multiple of LOCAL_WORLD_SIZE (the same "
+                              f"number of workers on every host). Received: WORLD_SIZE={world}, "
+                              f"LOCAL_WORLD_SIZE={local}")
+        merged["DMLC_NUM_WORKER"] = str(world // local)
+    return merged
+
+
 def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
     """Reads and validates the cluster environment.
 
@@ -185,6 +215,7 @@ def read_env(environ: Optional[Mapping[str, str]] = None) -> ClusterEnv:
                 "environment variable DMLC_ROLE must be one of scheduler, server, worker. "
                 f"Received: DMLC_ROLE={env.get('DMLC_ROLE')!r}"
             )
+    env = _with_torchrun_names(env)
     num_worker_hosts = _int(env, "DMLC_NUM_WORKER", 1, minimum=1)
     num_servers = _int(env, "DMLC_NUM_SERVER", 1, minimum=1)
     local_size = _int(env, "BYTEPS_LOCAL_SIZE", 1, minimum=1)

@@ -66,3 +66,61 @@ def test_one_process_group_without_a_job(monkeypatch):
             dist.all_reduce(t, op=dist.ReduceOp.PRODUCT)
     finally:
         dist.destroy_process_group()
+
+
+def test_torchrun_variables_stand_in_for_bytes_ones():
+    from bpstrain.config.env import read_env
+    from bpstrain.errors import ConfigError
+
+    base = {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_PORT": "9000"}
+    torchrun = {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "WORLD_SIZE": "6",
+                "RANK": "3"}
+    env = read_env({**base, **torchrun})
+    assert (env.local_rank, env.local_size, env.worker_id, env.num_worker_hosts) == (1, 2, 1, 3)
+    assert env.rank_hint == 3 and env.num_workers == 6 and env.local_size_given
+    mine = {"BYTEPS_LOCAL_RANK": "0", "BYTEPS_LOCAL_SIZE": "1", "DMLC_WORKER_ID": "0",
+            "DMLC_NUM_WORKER": "1"}
+    env = read_env({**base, **torchrun, **mine})  # BytePS's variables win
+    assert (env.local_rank, env.local_size, env.worker_id, env.num_worker_hosts) == (0, 1, 0, 1)
+    env = read_env({"DMLC_ROLE": "server", "DMLC_PS_ROOT_PORT": "9000", **torchrun})
+    assert (env.local_rank, env.local_size, env.worker_id) == (0, 1, None)  # workers only
+    with pytest.raises(ConfigError, match="multiple of LOCAL_WORLD_SIZE"):
+        read_env({**base, **torchrun, "WORLD_SIZE": "5"})
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_workers_on_a_scheduler_and_server_started_by_hand(tmp_path):
+    """BytePS's roles by hand for scheduler and server; torchrun starts the workers."""
+    import json
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    port = _free_port()
+    common = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
+    common.update(PYTHONPATH=str(repo), OMP_NUM_THREADS="1", BPSTRAIN_OP_TIMEOUT="20",
+                  DMLC_NUM_WORKER="1", BYTEPS_LOCAL_SIZE="2", DMLC_NUM_SERVER="1",
+                  DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port))
+    roles = [subprocess.Popen([sys.executable, "-m", "bpstrain.launch"], cwd=repo,
+                              env={**common, "DMLC_ROLE": role}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for role in ("scheduler", "server")]
+    try:
+        worker_env = {k: v for k, v in common.items() if k not in ("BYTEPS_LOCAL_SIZE", "DMLC_NUM_WORKER")}
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", str(_free_port()), str(Path(__file__).parent / "c10d_torchrun_worker.py")],
+            cwd=repo, env={**worker_env, "DMLC_ROLE": "worker"}, capture_output=True, text=True,
+            timeout=150)
+    finally:
+        for p in roles:
+            try:
+                p.wait(timeout=30)  # they exit once the workers have left
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
+               if "RESULT " in line]
+    assert proc.returncode == 0 and len(results) == 2, (proc.stdout + proc.stderr)[-3000:]
+    for r in results:
+        assert r["size"] == 2 and r["rank"] == r["env_rank"] == r["bps_rank"] and r["sum"] == 3.0, r
+    assert results[0]["weights"] == results[1]["weights"]  # DDP kept the replicas equal
