@@ -208,7 +208,7 @@ def lazy_model(seed):
 def check_lazy_model_broadcast(r, n):
     """A lazily built model trains and ends identical everywhere (it starts different).
 
-    BytePS's callback arguments: ``device=`` and a warm-up without ``initial_lr``.
+    BytePS's callback arguments: ``device=``, warm-up and schedule without ``initial_lr``.
     """
     model = lazy_model(seed=30 + r)
     assert not model.variables, "the model should not be built before fit"
@@ -222,13 +222,15 @@ def check_lazy_model_broadcast(r, n):
         bps.MetricAverageCallback(device=""),
         bps.LearningRateWarmupCallback(warmup_epochs=1, momentum_correction=False,
                                        steps_per_epoch=None, verbose=0),
+        bps.LearningRateScheduleCallback(multiplier=0.5, start_epoch=1),
         record,
     ])
     same_as_rank0(weights(model.variables), "lazy.model")
     same_as_rank0(weights(model.optimizer.variables), "lazy.optimizer")
     same_as_rank0([np.array(history.history["loss"])], "lazy.history")
-    # The warm-up target is the optimizer's rate (0.05), reached at the end of epoch 0.
-    expected = [warmup_lr(0.05, n, 1, b / STEPS) for b in range(STEPS)] + [0.05] * STEPS
+    # Both take the optimizer's rate (0.05): the warm-up reaches it at the end of epoch 0,
+    # the schedule halves it from epoch 1.
+    expected = [warmup_lr(0.05, n, 1, b / STEPS) for b in range(STEPS)] + [0.025] * STEPS
     np.testing.assert_allclose(record.at_batch_begin, expected, rtol=1e-6)
 
     one_batch = lazy_model(seed=40 + r)  # an epoch of one batch: broadcast at epoch end
