@@ -18,7 +18,9 @@
 Run it with ``python -m bpstrain.launch --workers 4 --servers 2 -- python train.py``,
 or alone (``python train.py``: rank 0 of 1). Modules: :mod:`.ops` (collectives),
 :mod:`.optimizer`, :mod:`.cross_barrier` (step() without the barrier), :mod:`.functions` (broadcast helpers), :mod:`.parallel` (DDP),
-:mod:`.compression`; CUDA staging lives in :mod:`._cuda`.
+:mod:`.compression`, :mod:`.mpi_ops` (Horovod's allreduce/allgather/barrier),
+:mod:`.sync_batch_norm`, :mod:`.process_group` (the ``torch.distributed`` backend
+``"bpstrain"``, registered on import); CUDA staging lives in :mod:`._cuda`.
 """
 
 from bpstrain.torch import parallel
@@ -30,12 +32,17 @@ from bpstrain.torch.ops import (broadcast, broadcast_, broadcast_async, broadcas
                                 distributed, init, is_initialized, local_rank, local_size, poll,
                                 push_pull, push_pull_async, push_pull_async_inplace,
                                 push_pull_inplace, rank, shutdown, size, synchronize)
+from bpstrain.torch.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce,
+                                    allreduce_, allreduce_async, allreduce_async_, barrier, join)
 from bpstrain.torch.optimizer import DistributedOptimizer
+from bpstrain.torch.sync_batch_norm import SyncBatchNorm
 from bpstrain.torch import process_group as _process_group
 
 _process_group.register()
 
 __all__ = [
+    "Adasum", "Average", "Max", "Min", "Product", "Sum", "SyncBatchNorm", "allgather",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "barrier", "join",
     "Compression", "CrossBarrier", "DistributedOptimizer", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
     "declare", "distributed", "init", "is_initialized", "local_rank", "local_size", "parallel",

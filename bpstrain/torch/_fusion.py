@@ -41,7 +41,7 @@ class Bucket:
         """Every member that requires a gradient now has one ready."""
         return all(id(p) in self.ready or not p.requires_grad for p in self.params)
 
-    def launch(self, compression) -> None:
+    def launch(self, compression, average: bool = True) -> None:
         """Packs the members' gradients (zeros where none) and starts the push_pull."""
         p0 = self.params[0]
         if self.buffer is None:
@@ -61,7 +61,7 @@ class Bucket:
         for view in empty:
             view.zero_()
         self.compressed, self.ctx = compression.compress(self.buffer)
-        self.handle = ops.push_pull_async_inplace(self.compressed, average=True, name=self.name,
+        self.handle = ops.push_pull_async_inplace(self.compressed, average=average, name=self.name,
                                                   priority=self.priority)
 
     def finish(self, compression, had_grad: Dict[int, bool]) -> None:

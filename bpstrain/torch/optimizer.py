@@ -40,8 +40,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the wrapped optimizer's class."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step,
-                 fusion_threshold_bytes):
+                 fusion_threshold_bytes, average=True):
         super(self.__class__, self).__init__(params)
+        self._bps_average = average
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1. Received: "
                              f"backward_passes_per_step={backward_passes_per_step}")
@@ -120,12 +121,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         bucket.ready.add(id(p))
         if bucket.handle is None and bucket.complete():
-            bucket.launch(self._bps_compression)
+            bucket.launch(self._bps_compression, self._bps_average)
 
     def _bps_push_pull_async(self, p):
         grad = p.grad
         compressed, ctx = self._bps_compression.compress(grad)
-        handle = ops.push_pull_async_inplace(compressed, average=True, name=self._bps_names[id(p)],
+        handle = ops.push_pull_async_inplace(compressed, average=self._bps_average,
+                                             name=self._bps_names[id(p)],
                                              priority=self._bps_priority[id(p)])
         return handle, (compressed, ctx)
 
@@ -161,7 +163,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._bps_ready(p)
         for bucket in self._bps_buckets:  # buckets whose members are partly frozen
             if bucket.handle is None and any(q.requires_grad for q in bucket.params):
-                bucket.launch(self._bps_compression)
+                bucket.launch(self._bps_compression, self._bps_average)
         self._bps_register_hooks()  # parameters unfrozen since construction
 
     def _bps_finish_param(self, p, handle, ctx, had_grad=None):
@@ -216,7 +218,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
-                         backward_passes_per_step=1, fusion_threshold_bytes=1 << 20):
+                         backward_passes_per_step=1, fusion_threshold_bytes=1 << 20, op=None):
     """Wraps a ``torch.optim`` optimizer so that ``step()`` uses rank-averaged gradients.
 
     The result is an instance of a dynamic subclass of ``type(optimizer)`` (as in
@@ -232,13 +234,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             passes are summed locally, then averaged over ranks once.
         fusion_threshold_bytes: parameters smaller than this share push_pulls (see
             :mod:`bpstrain.torch._fusion`); 0 gives every parameter its own.
+        op: Horovod's ``bpstrain.torch.Average`` (default) or ``Sum`` of the gradients;
+            ``Adasum`` raises ``NotImplementedError`` naming the alternative.
 
     Raises:
         ValueError: duplicate names, parameters missing from ``named_parameters``, or an
             optimizer that is already wrapped (its hooks would push_pull every gradient twice).
     """
+    from bpstrain.torch.mpi_ops import _average
+
     return _wrap(optimizer, _DistributedOptimizer.__dict__, named_parameters, compression,
-                 backward_passes_per_step, fusion_threshold_bytes)
+                 backward_passes_per_step, fusion_threshold_bytes, _average(None, op))
 
 
 def _wrap(optimizer, methods, *args):

@@ -124,3 +124,39 @@ def test_torchrun_workers_on_a_scheduler_and_server_started_by_hand(tmp_path):
     for r in results:
         assert r["size"] == 2 and r["rank"] == r["env_rank"] == r["bps_rank"] and r["sum"] == 3.0, r
     assert results[0]["weights"] == results[1]["weights"]  # DDP kept the replicas equal
+
+
+HOROVOD_GROUPS = ["torch_checks_horovod"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [name for name, _ in collect(HOROVOD_GROUPS)])
+def test_horovod_calls_on_2_workers(name):
+    _assert_check(run_job(2, 1, HOROVOD_GROUPS), name, 2)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [name for name, _ in collect(HOROVOD_GROUPS)])
+def test_horovod_calls_on_3_workers_2_servers_flat(name):
+    _assert_check(run_job(3, 2, HOROVOD_GROUPS, extra_env={"BPSTRAIN_HIERARCHICAL": "0"}), name, 3)
+
+
+@pytest.mark.timeout(60)
+def test_horovod_calls_alone(monkeypatch):
+    """Rank 0 of 1: the same calls are identities (a script runs without a launcher)."""
+    import bpstrain.torch as hvd
+
+    for name in [n for n in __import__("os").environ if n.startswith("DMLC_")]:
+        monkeypatch.delenv(name)
+    hvd.shutdown()
+    hvd.init()
+    try:
+        x = torch.arange(3.0)
+        assert torch.equal(hvd.allreduce(x, op=hvd.Sum), x) and torch.equal(hvd.allgather(x), x)
+        assert hvd.allreduce_(x, postscale_factor=2.0) is x and torch.equal(x, 2 * torch.arange(3.0))
+        hvd.barrier()
+        bn, ref = hvd.SyncBatchNorm(2), torch.nn.BatchNorm1d(2)
+        inp = torch.randn(5, 2)
+        assert torch.allclose(bn(inp), ref(inp)) and torch.allclose(bn.running_var, ref.running_var)
+    finally:
+        hvd.shutdown()
