@@ -7,6 +7,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -119,6 +120,9 @@ struct LocalGroup::Segment {
   char* base = nullptr;
   size_t size = 0;
   uint64_t nbytes = 0;
+  DType dtype = DType::kFloat32;
+  int generation = 0;  // how many times this rank saw the name declared again
+  int users = 0;       // ops of this rank not finished with it
   size_t stride = 0;  // bytes per slot, cache-line aligned
   int local_size = 0;
   uint64_t next_round = 0;
@@ -189,17 +193,26 @@ LocalGroup::Segment& LocalGroup::SegmentFor(const OpRequest& req) {
   for (int64_t d : req.shape) elems *= d;
   const uint64_t nbytes = static_cast<uint64_t>(elems) * DTypeSize(req.dtype);
   auto it = segments_.find(req.name);
+  int generation = 0;
   if (it != segments_.end()) {
-    if (it->second->nbytes != nbytes)
-      throw Error(Error::kMismatch, "tensor '" + req.name + "' changed size on this rank");
-    return *it->second;
+    if (it->second->nbytes == nbytes && it->second->dtype == req.dtype) return *it->second;
+    // Declared again with another size or dtype: every rank agreed with the scheduler
+    // before the op got here, and every local rank does it in the same order, so each
+    // moves to the next generation's segment. The old one stays mapped until this
+    // rank's ops on it finish.
+    generation = it->second->generation + 1;
+    retired_.push_back(std::move(it->second));
+    segments_.erase(it);
   }
   auto seg = std::make_unique<Segment>();
   seg->nbytes = nbytes;
+  seg->dtype = req.dtype;
+  seg->generation = generation;
   seg->local_size = layout_.local_size;
   seg->stride = RoundUp(std::max<uint64_t>(nbytes, 1));
   seg->size = kLine * (1 + 3 * layout_.local_size) + seg->stride * (layout_.local_size + 1);
-  std::string name = "/bps" + Hex(layout_.job_id) + "h" + std::to_string(layout_.host) + "t" + Hex(Fnv(req.name));
+  std::string name = "/bps" + Hex(layout_.job_id) + "h" + std::to_string(layout_.host) + "t" + Hex(Fnv(req.name)) +
+                     "g" + std::to_string(generation);
   seg->base = MapShared(name, seg->size, layout_.local_size, nbytes, req.dtype);
   return *(segments_[req.name] = std::move(seg));
 }
@@ -220,6 +233,7 @@ void LocalGroup::Loop() {
         if (!op.seg) {
           op.seg = &SegmentFor(op.req);
           op.round = op.seg->next_round++;
+          ++op.seg->users;
         }
         progress |= Advance(op);
       } catch (const Error& e) {
@@ -227,8 +241,12 @@ void LocalGroup::Loop() {
         op.state = 4;
         progress = true;
       }
+      if (op.state == 4 && op.seg) --op.seg->users;
       it = op.state == 4 ? active.erase(it) : std::next(it);
     }
+    retired_.erase(std::remove_if(retired_.begin(), retired_.end(),
+                                  [](const std::unique_ptr<Segment>& s) { return s->users == 0; }),
+                   retired_.end());
     if (!progress) FutexWait(bell_, seen, active.empty() ? 50'000'000 : 2'000'000);
   }
   for (auto& op : active) hooks_.complete(op->handle, Error::kShutdown, "shut down during a hierarchical push_pull", 0);

@@ -65,7 +65,10 @@ class LocalGroup {
   std::vector<int> cpus_;
   std::mutex mu_;
   std::list<std::unique_ptr<PendingOp>> pending_;
-  std::map<std::string, std::unique_ptr<Segment>> segments_;
+  std::map<std::string, std::unique_ptr<Segment>> segments_;  // each name's current segment
+  // Segments of names declared again with another size or dtype, kept mapped until the
+  // ops that still use them finish (only the local-group thread touches these).
+  std::vector<std::unique_ptr<Segment>> retired_;
   std::atomic<uint32_t>* bell_ = nullptr;  // in a small host-wide segment
   void* bell_map_ = nullptr;
   std::atomic<bool> stop_{false};

@@ -315,7 +315,9 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
     throw FrameError("push of key " + std::to_string(h.key) + " has inconsistent lengths (arg=" +
                      std::to_string(h.arg) + ", body=" + std::to_string(h.body_len) + ")");
   p.expected = num_workers_;
-  if (h.meta_len == 4) p.expected = static_cast<int>(MetaReader(meta).U32());
+  MetaReader r(meta);
+  if (h.meta_len >= 4) p.expected = static_cast<int>(r.U32());
+  if (h.meta_len >= 8) p.root = static_cast<int>(r.U32());
   if (p.expected < 1 || p.expected > num_workers_)
     throw FrameError("push expects " + std::to_string(p.expected) + " contributions; the job has " +
                      std::to_string(num_workers_) + " workers");
@@ -341,6 +343,7 @@ void Server::Process(EngineThread* et, Task& t) {
     r.len = p.len;
     r.expected = p.expected;
     r.broadcast = p.broadcast;
+    r.root = p.root;
   }
   PendingRound& pr = it->second;
   Round& r = pr.round;
@@ -351,10 +354,16 @@ void Server::Process(EngineThread* et, Task& t) {
   if (std::find(pr.waiters.begin(), pr.waiters.end(), t.from) != pr.waiters.end())
     return reject("duplicate push of partition " + std::to_string(p.key) + " round " +
                   std::to_string(p.version) + " from the same worker");
+  if (r.broadcast && p.root != r.root && pr.error.empty())
+    // Horovod's rule: ranks that name different roots all get an error, none gets data.
+    pr.error = "broadcast of partition " + std::to_string(p.key) + " round " + std::to_string(p.version) +
+               ": ranks disagree on the root (rank " + std::to_string(r.senders.empty() ? -1 : r.senders[0]) +
+               " says root_rank=" + std::to_string(r.root) + ", rank " + std::to_string(p.sender) + " says root_rank=" +
+               std::to_string(p.root) + "); pass the same root_rank on every rank";
   pr.waiters.push_back(t.from);
   r.senders.push_back(p.sender);
   ++r.pushes;
-  std::string error = et->handler->OnPush(r, p);
+  std::string error = pr.error.empty() ? et->handler->OnPush(r, p) : "";
   if (!error.empty()) {
     pr.waiters.pop_back();
     r.senders.pop_back();
@@ -364,7 +373,7 @@ void Server::Process(EngineThread* et, Task& t) {
   }
   if (!et->handler->Complete(r)) return;
 
-  error = et->handler->OnRoundComplete(r);
+  error = pr.error.empty() ? et->handler->OnRoundComplete(r) : pr.error;
   FrameHeader reply;
   reply.type = static_cast<uint16_t>(error.empty() ? MsgType::kPullReply : MsgType::kError);
   reply.key = p.key;

@@ -78,6 +78,7 @@ class Server {
   struct PendingRound {
     Round round;
     Clock::time_point started = Clock::now();
+    std::string error;  // set when the pushes disagree: every waiter gets it at the end
     std::vector<std::shared_ptr<Conn>> waiters;  // in push order
   };
   struct EngineThread {

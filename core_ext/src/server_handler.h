@@ -37,6 +37,7 @@ struct Push {
   bool broadcast = false;  // the root's data is the result
   int expected = 0;        // contributions that complete the round (participating ranks)
   int sender = -1;         // the worker's rank
+  int root = -1;           // broadcast: the root this worker named (-1 = not said)
   std::shared_ptr<Buffer> body;  // null for an empty push (a broadcast's non-root)
 };
 
@@ -48,6 +49,7 @@ struct Round {
   uint64_t len = 0;
   int expected = 0;
   bool broadcast = false;
+  int root = -1;  // broadcast: the root the first push named
   int pushes = 0;
   std::vector<int> senders;        // ranks that pushed, in arrival order
   std::shared_ptr<Buffer> acc;     // the handler's accumulator

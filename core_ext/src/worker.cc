@@ -362,7 +362,10 @@ void Worker::SenderLoop(DataConn* c) {
                                     (send_body ? 0 : kFlagEmpty));
     const uint32_t participants = static_cast<uint32_t>(req.participants ? req.participants : size_);
     try {
-      c->link->Send(h, MetaWriter().U32(participants).bytes(),
+      MetaWriter meta;
+      meta.U32(participants);
+      if (bcast) meta.U32(static_cast<uint32_t>(req.root));  // the server checks every rank names the same root
+      c->link->Send(h, meta.bytes(),
                     send_body ? static_cast<const char*>(req.input) + t.offset : nullptr, send_body ? t.len : 0);
     } catch (const Error& e) {
       if (!stopping_) Fail(Error::kPeer, e.what());

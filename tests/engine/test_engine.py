@@ -247,3 +247,17 @@ def test_priority_with_tiny_credit_cannot_deadlock():
 
         for outs in c.run_all(job):
             assert all(np.all(o == 3) for _, o in outs)
+
+
+def test_ranks_naming_different_broadcast_roots_all_get_an_error():
+    # Horovod's rule: not one rank silently receives another root's data.
+    from bpstrain.errors import BpsError
+
+    with InProcessCluster(3, 1) as c:
+        def job(rank, w):
+            root = 2 if rank == 2 else 0
+            with pytest.raises(BpsError, match="disagree on the root"):
+                push_pull(w, "b", np.full(8, rank, np.float32), op=2, root=root)
+            return push_pull(w, "after", np.ones(4, np.float32))
+
+        assert all(np.all(x == 3) for x in c.run_all(job))

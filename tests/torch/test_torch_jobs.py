@@ -81,9 +81,6 @@ def test_declaration_checks_on_3_workers(name):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="the engine's shared-memory path (comm.hierarchical, "
-                   "workers of one host) cannot declare a name again with another size yet: "
-                   "MismatchError 'changed size on this rank' (core_ext/src/local_group.cc)")
 def test_hierarchical_path_declares_a_name_again():
     job = run_job(2, 1, DECLARE_GROUPS)  # two workers on one host: hierarchical=auto
     _assert_check(job, "check_name_may_change_shape_when_every_rank_changes_it", 2)
