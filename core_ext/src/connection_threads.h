@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common.h"
+#include "secure_link.h"
 #include "transport.h"
 
 namespace bps {
@@ -104,5 +105,36 @@ class ConnectionThreads {
   std::vector<uint64_t> finished_;
   uint64_t next_ = 0;
 };
+
+// A listener's accept loop, the same for the scheduler and the servers: each accepted
+// link gets a handshake slot (or is closed at the door when too many strangers are in
+// their handshake) and a thread of `threads` running serve(link, slot). Accept failures
+// (out of descriptors or memory) are logged and retried, never fatal. Returns once the
+// listener is closed or `stopping` is set.
+using ServeFn = std::function<void(std::shared_ptr<Link>, std::shared_ptr<HandshakeSlots::Slot>)>;
+inline void RunAcceptLoop(Listener& listener, HandshakeSlots& slots, ConnectionThreads& threads,
+                          const std::atomic<bool>& stopping, const ServeFn& serve) {
+  for (;;) {
+    std::shared_ptr<Link> link;
+    try {
+      link = listener.Accept();
+    } catch (const std::exception& e) {
+      LogWarn(std::string("accept failed: ") + e.what());
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    if (!link || stopping) return;
+    std::shared_ptr<HandshakeSlots::Slot> slot = slots.TryTake();
+    if (!slot) {  // the link closes as it goes out of scope
+      const int n = slots.refused();
+      if (n == 1 || n % 10000 == 0)
+        LogWarn("refusing connections: " + std::to_string(kMaxPendingHandshakes) +
+                " are already in their handshake (" + std::to_string(n) + " refused so far)");
+      continue;
+    }
+    // `serve` by value: the connection thread may outlive this loop (until JoinAll).
+    threads.Spawn(link, [link, slot, serve]() mutable { serve(std::move(link), std::move(slot)); });
+  }
+}
 
 }  // namespace bps

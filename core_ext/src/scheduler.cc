@@ -98,26 +98,10 @@ bool Scheduler::Wait(double seconds) {
 }
 
 void Scheduler::AcceptLoop() {
-  for (;;) {
-    std::shared_ptr<Link> link;
-    try {
-      link = listener_->Accept();
-    } catch (const std::exception& e) {  // out of memory or descriptors: refuse, never abort
-      LogWarn(std::string("accept failed: ") + e.what());
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      continue;
-    }
-    if (!link || stopping_) return;
-    std::shared_ptr<HandshakeSlots::Slot> slot = slots_.TryTake();
-    if (!slot) {  // too many strangers at once: close this one at the door
-      const int n = slots_.refused();
-      if (n == 1 || n % 10000 == 0)
-        LogWarn("refusing connections: " + std::to_string(kMaxPendingHandshakes) +
-                " are already in their handshake (" + std::to_string(n) + " refused so far)");
-      continue;
-    }
-    conn_threads_.Spawn(link, [this, link, slot]() mutable { ServeConnection(std::move(link), std::move(slot)); });
-  }
+  RunAcceptLoop(*listener_, slots_, conn_threads_, stopping_,
+                [this](std::shared_ptr<Link> link, std::shared_ptr<HandshakeSlots::Slot> slot) {
+                  ServeConnection(std::move(link), std::move(slot));
+                });
 }
 
 void Scheduler::SendError(const std::shared_ptr<Node>& node, const std::string& msg) {

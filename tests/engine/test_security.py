@@ -270,50 +270,74 @@ def test_only_workers_release_barriers():
         sched.stop()
 
 
-def test_a_forged_partition_table_is_refused_before_it_is_used():
-    # A fake scheduler and server (they hand out the credential, so they can pass the
-    # handshake) place a 64-byte tensor on a partition of 65,536 bytes: the v1 worker read
-    # 64 KiB past the tensor into its push and crashed.
-    sched_sock, data_sock = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
-    cred = os.urandom(32)
-    seen = {}
+class FakeJob:
+    """A fake scheduler and server on loopback for one real worker: they issue the data
+    credential themselves, so they pass the worker's handshake, and then say whatever
+    the test wants (``on_declare(name) -> reply meta``)."""
 
-    def fake_scheduler():
-        conn = wire.Conn(sock=sched_sock.accept()[0])
+    def __init__(self, workers=1, job_id=7, on_declare=None):
+        self.sched_sock = socket.create_server(("127.0.0.1", 0))
+        self.data_sock = socket.create_server(("127.0.0.1", 0))
+        self.cred, self.workers, self.job_id, self.on_declare = os.urandom(32), workers, job_id, on_declare
+        self.seen = {}
+        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._scheduler, self._server)]
+        for t in self.threads:
+            t.start()
+
+    @property
+    def port(self):
+        return self.sched_sock.getsockname()[1]
+
+    def _scheduler(self):
+        conn = wire.Conn(sock=self.sched_sock.accept()[0])
         wire.accept_handshake(conn, b"")
         conn.recv()  # the worker's hello
-        endpoint = f"127.0.0.1:{data_sock.getsockname()[1]}"
-        conn.send(wire.WELCOME, wire.welcome(0, 1, [endpoint], 7, [cred]))
-        declare = conn.recv()
-        name = declare[2][4:4 + struct.unpack_from("<I", declare[2])[0]]
-        forged = wire.s(name) + struct.pack("<IqI", 0, 0, 1) + struct.pack("<qqI", 0, 1 << 16, 0)
-        conn.send(4, forged)  # kDeclareReply
-        seen["scheduler"] = conn.recv()  # the worker stays up; it never pushes
+        endpoint = f"127.0.0.1:{self.data_sock.getsockname()[1]}"
+        conn.send(wire.WELCOME, wire.welcome(0, self.workers, [endpoint], self.job_id, [self.cred]))
+        frame = conn.recv()
+        if frame is not None and frame[0] == wire.DECLARE and self.on_declare:
+            name = frame[2][4:4 + struct.unpack_from("<I", frame[2])[0]]
+            conn.send(4, self.on_declare(name))  # kDeclareReply
+            frame = conn.recv()
+        self.seen["scheduler"] = frame
         conn.close()
 
-    def fake_server():
-        conn = wire.Conn(sock=data_sock.accept()[0])
-        seen["identity"] = wire.accept_handshake(conn, cred)
-        seen["data"] = conn.recv()
+    def _server(self):
+        conn = wire.Conn(sock=self.data_sock.accept()[0])
+        self.seen["identity"] = wire.accept_handshake(conn, self.cred)
+        self.seen["data"] = conn.recv()
         conn.close()
 
-    threads = [threading.Thread(target=f, daemon=True) for f in (fake_scheduler, fake_server)]
-    for t in threads:
-        t.start()
-    w = _core.Worker("127.0.0.1", sched_sock.getsockname()[1], rendezvous_timeout=10, numa="off",
-                     partition_bytes=4096, credit_bytes=1 << 20, socket_send_buffer=0)
-    w.start()
+    def worker(self, **kw):
+        """A started worker of this job (no link probe: every auto setting is fixed)."""
+        w = _core.Worker("127.0.0.1", self.port, rendezvous_timeout=10, numa="off", partition_bytes=4096,
+                         credit_bytes=1 << 20, socket_send_buffer=0, **kw)
+        w.start()
+        return w
+
+    def close(self):
+        for t in self.threads:
+            t.join(10)
+        self.sched_sock.close()
+        self.data_sock.close()
+
+
+def test_a_forged_partition_table_is_refused_before_it_is_used():
+    # The fake scheduler places a 64-byte tensor on a partition of 65,536 bytes: the v1
+    # worker read 64 KiB past the tensor into its push and crashed.
+    def forged(name):
+        return wire.s(name) + struct.pack("<IqI", 0, 0, 1) + struct.pack("<qqI", 0, 1 << 16, 0)
+
+    job = FakeJob(on_declare=forged)
+    w = job.worker()
     while not w.wait_ready(0.1):
         pass
     with pytest.raises(PeerError, match="does not cover"):
         push_pull(w, "t", np.ones(16, np.float32))
     w.shutdown()
-    for t in threads:
-        t.join(10)
-    assert seen["identity"] == "worker 0"
-    assert seen["data"] is None  # not one byte of a push left the worker
-    sched_sock.close()
-    data_sock.close()
+    job.close()
+    assert job.seen["identity"] == "worker 0"
+    assert job.seen["data"] is None  # not one byte of a push left the worker
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a segment owned by another user")
@@ -326,31 +350,8 @@ def test_a_shared_memory_segment_planted_by_another_user_is_refused():
     os.ftruncate(fd, 128)
     os.fchown(fd, 65534, 65534)
     os.close(fd)
-    sched_sock, data_sock = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
-    cred = os.urandom(32)
-
-    def fake_scheduler():
-        conn = wire.Conn(sock=sched_sock.accept()[0])
-        wire.accept_handshake(conn, b"")
-        conn.recv()
-        endpoint = f"127.0.0.1:{data_sock.getsockname()[1]}"
-        conn.send(wire.WELCOME, wire.welcome(0, 2, [endpoint], job_id, [cred]))
-        conn.recv()
-        conn.close()
-
-    def fake_server():
-        conn = wire.Conn(sock=data_sock.accept()[0])
-        wire.accept_handshake(conn, cred)
-        conn.recv()
-        conn.close()
-
-    threads = [threading.Thread(target=f, daemon=True) for f in (fake_scheduler, fake_server)]
-    for t in threads:
-        t.start()
-    w = _core.Worker("127.0.0.1", sched_sock.getsockname()[1], rank_hint=0, local_rank=0, local_size=2,
-                     hierarchical=1, rendezvous_timeout=10, numa="off", partition_bytes=4096,
-                     credit_bytes=1 << 20, socket_send_buffer=0)
-    w.start()
+    job = FakeJob(workers=2, job_id=job_id)
+    w = job.worker(rank_hint=0, local_rank=0, local_size=2, hierarchical=1)
     try:
         with pytest.raises(Exception, match="belongs to uid 65534"):
             while not w.wait_ready(0.1):
@@ -358,8 +359,7 @@ def test_a_shared_memory_segment_planted_by_another_user_is_refused():
     finally:
         w.shutdown()
         os.unlink(planted)
-        sched_sock.close()
-        data_sock.close()
+        job.close()
 
 
 def test_a_connection_flood_leaves_no_threads_or_descriptors_behind():
