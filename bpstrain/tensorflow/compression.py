@@ -13,51 +13,33 @@ because that one is written against torch tensors and imports torch.
 
 from __future__ import annotations
 
-from typing import Any, Tuple
-
 import tensorflow as tf
 
+from bpstrain._compression import Compressor, HalfCompressor, NoneCompressor
 
-class Compressor:
-    """Interface: ``compress`` before sending, ``decompress`` after receiving."""
-
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> Tuple[tf.Tensor, Any]:
-        """Returns the tensor to send and a context for :meth:`decompress`."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
-        """Undoes :meth:`compress` on the received tensor."""
-        raise NotImplementedError
+__all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor", "check_compression"]
 
 
-class NoneCompressor(Compressor):
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class FP16Compressor(Compressor):
+class FP16Compressor(HalfCompressor):
     """Sends floating-point tensors as float16 (half the bytes); others unchanged."""
 
-    @staticmethod
-    def compress(tensor):
-        tensor = tf.convert_to_tensor(tensor)
-        dtype = tensor.dtype
-        if dtype.is_floating and dtype != tf.float16:
-            tensor = tf.cast(tensor, tf.float16)
-        return tensor, dtype
+    _half = tf.float16
 
     @staticmethod
-    def decompress(tensor, ctx):
-        return tensor if ctx is None or tensor.dtype == ctx else tf.cast(tensor, ctx)
+    def _prepare(tensor):
+        return tf.convert_to_tensor(tensor)
+
+    @staticmethod
+    def _dtype(tensor):
+        return tensor.dtype
+
+    @staticmethod
+    def _is_floating(dtype):
+        return dtype.is_floating
+
+    @staticmethod
+    def _cast(tensor, dtype):
+        return tf.cast(tensor, dtype)
 
 
 class Compression:

@@ -9,50 +9,29 @@
 
 from __future__ import annotations
 
-from typing import Any, Tuple
-
 import torch
 
+from bpstrain._compression import Compressor, HalfCompressor, NoneCompressor
 
-class Compressor:
-    """Interface: ``compress`` before sending, ``decompress`` after receiving."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-        """Returns the tensor to send and a context for :meth:`decompress`."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Undoes :meth:`compress` on the received tensor."""
-        raise NotImplementedError
+__all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 
 
-class NoneCompressor(Compressor):
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class FP16Compressor(Compressor):
+class FP16Compressor(HalfCompressor):
     """Sends floating-point tensors as float16 (half the bytes); others unchanged."""
 
-    @staticmethod
-    def compress(tensor):
-        dtype = tensor.dtype
-        if tensor.dtype.is_floating_point and dtype != torch.float16:
-            tensor = tensor.to(torch.float16)
-        return tensor, dtype
+    _half = torch.float16
 
     @staticmethod
-    def decompress(tensor, ctx):
-        return tensor if ctx is None or tensor.dtype == ctx else tensor.to(ctx)
+    def _dtype(tensor):
+        return tensor.dtype
+
+    @staticmethod
+    def _is_floating(dtype):
+        return dtype.is_floating_point
+
+    @staticmethod
+    def _cast(tensor, dtype):
+        return tensor.to(dtype)
 
 
 class Compression:
