@@ -1,6 +1,7 @@
 """A torchrun worker: init_process_group("bpstrain") with torchrun's variables, DDP steps.
 
-Prints ``RESULT {json}`` with its ranks, an all_reduce and a weight checksum.
+Writes ``$RESULT_DIR/<rank>.json`` with its ranks, an all_reduce and the weights (a file per
+rank: two ranks printing to one pipe can interleave their lines).
 """
 
 import json
@@ -24,7 +25,8 @@ for _ in range(3):
     model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
     opt.step()
 weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-print("RESULT " + json.dumps({"rank": rank, "size": size, "env_rank": int(os.environ["RANK"]),
-                              "bps_rank": bps.rank(), "sum": t.item(), "weights": weights.tolist()}),
-      flush=True)
+result = {"rank": rank, "size": size, "env_rank": int(os.environ["RANK"]),
+          "bps_rank": bps.rank(), "sum": t.item(), "weights": weights.tolist()}
+with open(os.path.join(os.environ["RESULT_DIR"], f"{rank}.json"), "w") as f:
+    json.dump(result, f)
 dist.destroy_process_group()

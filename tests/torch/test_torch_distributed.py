@@ -109,8 +109,8 @@ def test_torchrun_workers_on_a_scheduler_and_server_started_by_hand(tmp_path):
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
              "--master-port", str(_free_port()), str(Path(__file__).parent / "c10d_torchrun_worker.py")],
-            cwd=repo, env={**worker_env, "DMLC_ROLE": "worker"}, capture_output=True, text=True,
-            timeout=150)
+            cwd=repo, env={**worker_env, "DMLC_ROLE": "worker", "RESULT_DIR": str(tmp_path)},
+            capture_output=True, text=True, timeout=150)
     finally:
         for p in roles:
             try:
@@ -118,8 +118,7 @@ def test_torchrun_workers_on_a_scheduler_and_server_started_by_hand(tmp_path):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-               if "RESULT " in line]
+    results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("*.json"))]
     assert proc.returncode == 0 and len(results) == 2, (proc.stdout + proc.stderr)[-3000:]
     for r in results:
         assert r["size"] == 2 and r["rank"] == r["env_rank"] == r["bps_rank"] and r["sum"] == 3.0, r
