@@ -9,6 +9,11 @@ torch DDP over gloo (rank 0 hosts the rendezvous at ``--addr:--port``)::
     python -m bpstrain.bench._train_worker --system ddp --addr 10.213.0.1 --port 23000 \
         --rank 0 --world-size 4 --ifname eth0 --model vgg16 --iters 3
 
+unmodified torch DDP over the ``torch.distributed`` backend "bpstrain" (a bpstrain job, as
+for ``--system bpstrain``; ranks and rendezvous come from the engine)::
+
+    python -m bpstrain.bench._train_worker --system ddp-bpstrain --model vgg16 --iters 3
+
 Prints one ``BENCH_RESULT`` line (see :mod:`bpstrain.bench._report`) whose single
 result is ``{"model", "batch", "times": [seconds per step, ...], "phases": [[forward,
 backward, gradient wait, update], ...]}``.
@@ -93,13 +98,19 @@ def run_bpstrain(args):
 
 
 def run_ddp(args):
-    """Trains with torch DDP over gloo; returns (rank, size, times)."""
+    """Trains with torch DDP over gloo, or over the bpstrain backend (``ddp-bpstrain``);
+    returns (rank, size, times)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.rank,
-                            world_size=args.world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    timeout = datetime.timedelta(seconds=args.timeout)
+    if args.system == "ddp-bpstrain":
+        import bpstrain.torch as bps  # registers the backend
+
+        dist.init_process_group("bpstrain", timeout=timeout)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}",
+                                rank=args.rank, world_size=args.world_size, timeout=timeout)
     try:
         model, optimizer, data, target = _build(args)
         model = DistributedDataParallel(model)
@@ -109,15 +120,17 @@ def run_ddp(args):
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         times = _timed_steps(model, optimizer, data, target, args.iters, args.warmup)
         dist.barrier()
-        return args.rank, args.world_size, times
+        return dist.get_rank(), dist.get_world_size(), times
     finally:
         dist.destroy_process_group()
+        if args.system == "ddp-bpstrain":
+            bps.shutdown()
 
 
 def main(argv=None) -> int:
     """Command-line entry point; see the module docstring."""
     p = argparse.ArgumentParser(prog="python -m bpstrain.bench._train_worker")
-    p.add_argument("--system", choices=["bpstrain", "ddp"], required=True)
+    p.add_argument("--system", choices=["bpstrain", "ddp", "ddp-bpstrain"], required=True)
     p.add_argument("--model", default="vgg16")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--image-size", type=int, default=32)

@@ -1,11 +1,14 @@
 """Training throughput on emulated hosts: bpstrain DistributedOptimizer vs torch DDP (gloo).
 
 System ``bpstrain-cb`` is bpstrain with :func:`bpstrain.torch.CrossBarrier` (the next
-forward overlaps the last gradients' communication).
+forward overlaps the last gradients' communication); ``ddp-bpstrain`` is unmodified torch
+DDP over the ``torch.distributed`` backend "bpstrain" (the same job as ``bpstrain``:
+scheduler, servers, workers), ``ddp`` the same DDP over gloo.
 
     python -m bpstrain.bench.training --model vgg16 --hosts 4 --servers 4 --rate-mbit 800
     python -m bpstrain.bench.training --model vgg16 resnet50 --iters 3 --json out.json
     python -m bpstrain.bench.training --loopback --model resnet50 --hosts 2 --servers 1
+    python -m bpstrain.bench.training --model vgg16 --systems ddp-bpstrain ddp
 
 Layout: worker hosts 0..H-1 (bpstrain workers and gloo ranks alike), server hosts
 H..H+K-1, the scheduler on host H+K; every host's upload and download are capped at
@@ -73,13 +76,15 @@ def _worker_args(plan: TrainPlan, model: str) -> list[str]:
     return argv + (["--fp16"] if plan.fp16 else [])
 
 
-def _run_bpstrain(hosts, plan: TrainPlan, model: str, cross_barrier: bool = False) -> list[dict]:
+def _run_bpstrain(hosts, plan: TrainPlan, model: str, system: str = "bpstrain") -> list[dict]:
+    """A bpstrain job (``system``: bpstrain, bpstrain-cb or ddp-bpstrain)."""
     n, k = plan.hosts, plan.servers
     layout = _jobs.Layout(worker_hosts=list(range(n)),
                           server_hosts=[j if plan.loopback else n + j for j in range(k)],
                           scheduler_host=0 if plan.loopback else n + k)
-    argv = [sys.executable, "-m", _WORKER, "--system", "bpstrain", *_worker_args(plan, model)]
-    argv += ["--cross-barrier"] if cross_barrier else []
+    worker_system = "bpstrain" if system == "bpstrain-cb" else system
+    argv = [sys.executable, "-m", _WORKER, "--system", worker_system, *_worker_args(plan, model)]
+    argv += ["--cross-barrier"] if system == "bpstrain-cb" else []
     return _jobs.run_ps_job(hosts, layout, argv, plan.timeout_s,
                             {"BPSTRAIN_TIMEOUT": "60", "BPSTRAIN_OP_TIMEOUT": str(int(plan.timeout_s))})
 
@@ -128,7 +133,7 @@ def run(plan: TrainPlan, log=None) -> list[TrainRow]:
                 if system == "ddp":
                     payloads = _run_ddp(hosts, plan, model)
                 else:
-                    payloads = _run_bpstrain(hosts, plan, model, system == "bpstrain-cb")
+                    payloads = _run_bpstrain(hosts, plan, model, system)
                 step = _step_time(payloads)
                 phases = payloads[0]["results"][0].get("phases") or [[0.0] * 4]
                 mean = [sum(col) / len(col) for col in zip(*phases)]
@@ -152,12 +157,12 @@ def run(plan: TrainPlan, log=None) -> list[TrainRow]:
 
 def format_table(rows: Sequence[TrainRow]) -> str:
     """A fixed-width table, one line per row."""
-    head = f"{'model':<10} {'system':<11} {'n':>2} {'k':>2} {'batch':>5} {'step s':>8} " \
+    head = f"{'model':<10} {'system':<12} {'n':>2} {'k':>2} {'batch':>5} {'step s':>8} " \
            f"{'samples/s':>10} {'comm bound s':>12} {'vs DDP':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
         vs = f"{r.vs_ddp:.2f}x" if r.vs_ddp is not None else "-"
-        lines.append(f"{r.model:<10} {r.system:<11} {r.workers:>2} {r.servers or '-':>2} "
+        lines.append(f"{r.model:<10} {r.system:<12} {r.workers:>2} {r.servers or '-':>2} "
                      f"{r.batch:>5} {r.step_s:>8.2f} {r.samples_per_s:>10.2f} {r.bound_s:>12.2f} "
                      f"{vs:>7}")
     return "\n".join(lines)
@@ -177,7 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=3, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--fp16", action="store_true", help="float16 gradients (both systems)")
-    p.add_argument("--systems", nargs="+", choices=["bpstrain", "bpstrain-cb", "ddp"],
+    p.add_argument("--systems", nargs="+", choices=["bpstrain", "bpstrain-cb", "ddp-bpstrain", "ddp"],
                    default=["bpstrain", "ddp"])
     p.add_argument("--loopback", action="store_true", help="no namespaces, no caps (no root needed)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")

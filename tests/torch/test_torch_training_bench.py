@@ -38,11 +38,11 @@ def test_loopback_run_of_every_system(tmp_path):
         [sys.executable, "-m", "bpstrain.bench.training", "--loopback", "--model", "resnet50",
          "--hosts", "2", "--servers", "1", "--batch-size", "2", "--iters", "1", "--warmup", "0",
          "--num-classes", "10", "--timeout", "200", "--json", str(out),
-         "--systems", "bpstrain", "bpstrain-cb", "ddp"],
+         "--systems", "bpstrain", "bpstrain-cb", "ddp-bpstrain", "ddp"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [r["system"] for r in rows] == ["bpstrain", "bpstrain-cb", "ddp"]
-    assert all(r["samples_per_s"] > 0 for r in rows) and rows[2]["vs_ddp"] == 1.0
-    assert rows[1]["servers"] == 1 and rows[2]["servers"] is None
+    assert [r["system"] for r in rows] == ["bpstrain", "bpstrain-cb", "ddp-bpstrain", "ddp"]
+    assert all(r["samples_per_s"] > 0 for r in rows) and rows[3]["vs_ddp"] == 1.0
+    assert rows[1]["servers"] == 1 and rows[2]["servers"] == 1 and rows[3]["servers"] is None
     assert "samples/s" in proc.stdout
