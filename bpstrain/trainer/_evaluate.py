@@ -3,7 +3,11 @@
 Each rank evaluates its strided shard of the data (no padding: metrics are summed
 with their sample counts and averaged over ranks, so they are exact). ``predict``
 returns this rank's outputs, one entry per batch, on the CPU (as Lightning does);
-with one process that is every sample in order.
+with one process that is every sample in order. Hooks (callbacks first, then the
+module's own, as in Lightning): ``validate`` fires the validation hooks of ``fit``;
+``test`` fires ``on_test_start``, ``on_test_epoch_start``, ``on_test_batch_end``,
+``on_test_epoch_end`` (metrics averaged) and ``on_test_end``; ``predict`` fires
+``on_predict_start`` and ``on_predict_end``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any, Dict, List
 import torch
 
 from bpstrain.trainer import _data
+from bpstrain.trainer._dispatch import fire
 from bpstrain.trainer._loop import _accumulate, _Steps, _validate, setup_module
 from bpstrain.trainer.callbacks.metrics import average_sums
 
@@ -46,13 +51,21 @@ def test_torch(trainer, module, data: Any) -> Dict[str, float]:
     sums = {"test_" + k: [0.0, 0.0] for k in
             ("loss",) + (("accuracy",) if run.correct is not None else ())}
     module.eval()
+    callbacks, trainer.logs = trainer.callbacks, {}
+    fire(callbacks, "test_start", trainer, module)
+    fire(callbacks, "test_epoch_start", trainer, module)
     for batch_idx, batch in enumerate(loader):
         batch = _data.to_device(batch, device)
         with trainer.precision_plugin.autocast():
             outputs = run(batch, batch_idx, validation=True, stage="test")
-        _accumulate(sums, outputs, _data.batch_size_of(batch), "test_")
+        logged = _accumulate(sums, outputs, _data.batch_size_of(batch), "test_")
+        fire(callbacks, "test_batch_end", trainer, module, outputs=logged, batch=batch,
+             batch_idx=batch_idx)
     average_sums(trainer, sums, "test")
-    return {k: trainer.logs[k] for k in sums}
+    result = {k: trainer.logs[k] for k in sums}
+    fire(callbacks, "test_epoch_end", trainer, module)
+    fire(callbacks, "test_end", trainer, module)
+    return result
 
 
 def _predict_data(data: Any) -> Any:
@@ -83,6 +96,7 @@ def predict_torch(trainer, module, data: Any) -> List[Any]:
         raise ValueError("predict() needs data. Received: data=None")
     step = getattr(module, "predict_step", None)
     module.eval()
+    fire(trainer.callbacks, "predict_start", trainer, module)
     outputs = []
     for batch_idx, batch in enumerate(loader):
         batch = _data.to_device(batch, device)
@@ -92,4 +106,5 @@ def predict_torch(trainer, module, data: Any) -> List[Any]:
             else:
                 out = module(batch[0] if isinstance(batch, (list, tuple)) else batch)
         outputs.append(_to_cpu(out))
+    fire(trainer.callbacks, "predict_end", trainer, module)
     return outputs

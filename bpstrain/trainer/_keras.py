@@ -116,8 +116,10 @@ def _bridge(trainer, model, samples: int, size: int):
 
         def on_test_begin(self, logs=None):
             fire(callbacks, "validation_start", trainer, model, logs=trainer.logs)
+            fire(callbacks, "validation_epoch_start", trainer, model)
 
         def on_test_end(self, logs=None):
+            fire(callbacks, "validation_epoch_end", trainer, model)
             fire(callbacks, "validation_end", trainer, model, logs=trainer.logs)
 
         def on_epoch_end(self, epoch, logs=None):

@@ -19,7 +19,7 @@ import torch
 
 from bpstrain.config import ConfigError
 from bpstrain.trainer import _data, _optim
-from bpstrain.trainer._dispatch import fire
+from bpstrain.trainer._dispatch import fire, module_hook
 from bpstrain.trainer._precision import Precision, optimizer_step
 from bpstrain.trainer.callbacks.checkpoint import find_last_checkpoint, read_checkpoint
 from bpstrain.trainer.history import History
@@ -121,6 +121,9 @@ def _restore(trainer, module, optimizer) -> None:
         trainer.print(f"trainer.resume=auto: no checkpoint in {trainer.out_dir}; starting fresh")
         return
     path, ckpt = loaded
+    hook = module_hook(module, "on_load_checkpoint")
+    if hook is not None:  # Lightning calls the module's before it restores the weights
+        hook(ckpt)
     module.load_state_dict(ckpt["model"])
     if ckpt.get("optimizer") is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -213,8 +216,13 @@ def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
                 break
             batch = _data.to_device(batch, device)
             trainer.last_batch_size = n = _data.batch_size_of(batch)
-            fire(callbacks, "train_batch_start", trainer, module, batch=batch, batch_idx=batch_idx,
-                 logs={})
+            skip = fire(callbacks, "train_batch_start", trainer, module, batch=batch,
+                        batch_idx=batch_idx, logs={})
+            if skip == -1:
+                raise ValueError("on_train_batch_start returned -1 (skip the rest of the "
+                                 "epoch), which the Trainer does not support: every rank "
+                                 "must run the same steps; set trainer.should_stop in a "
+                                 "callback to stop after the epoch. Received: -1")
             with precision.autocast():
                 outputs = run(batch, batch_idx, validation=False)
             precision.backward(outputs["loss"].float() / passes)
@@ -256,7 +264,7 @@ def _lr(optimizer) -> float:
 @torch.no_grad()
 def _validate(trainer, module, loader, run: _Steps, device) -> None:
     """One validation pass: ``val_*`` metrics into ``trainer.logs`` (averaged over ranks
-    by MetricAveraging at ``on_validation_end``)."""
+    by MetricAveraging at ``on_validation_epoch_end``)."""
     callbacks = trainer.callbacks
     limit = trainer.config.trainer.val_steps
     trainer.num_val_batches = len(loader) if limit is None else min(len(loader), int(limit))
@@ -266,6 +274,7 @@ def _validate(trainer, module, loader, run: _Steps, device) -> None:
     for key in ("loss",) + (("accuracy",) if run.correct is not None else ()):
         trainer.val_sums["val_" + key] = [0.0, 0.0]
     fire(callbacks, "validation_start", trainer, module, logs=trainer.logs)
+    fire(callbacks, "validation_epoch_start", trainer, module)
     for batch_idx, batch in enumerate(loader):
         if limit is not None and batch_idx >= limit:
             break
@@ -276,5 +285,6 @@ def _validate(trainer, module, loader, run: _Steps, device) -> None:
         fire(callbacks, "validation_batch_end", trainer, module, outputs=logged, batch=batch,
              batch_idx=batch_idx)
     trainer.logs.update(_means(trainer.val_sums))
+    fire(callbacks, "validation_epoch_end", trainer, module)
     fire(callbacks, "validation_end", trainer, module, logs=trainer.logs)
     module.train()

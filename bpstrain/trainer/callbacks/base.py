@@ -1,9 +1,9 @@
 """The one callback base class: Lightning-style and Keras-style hooks side by side.
 
 Override whichever hooks you like; the Trainer calls each event's Lightning hook
-first, then its Keras hook (see :mod:`bpstrain.trainer._dispatch`). Two names exist
-in both APIs with different arguments, ``on_train_batch_end`` and ``on_train_end``;
-the dispatcher tells them apart by the override's signature:
+first, then its Keras hook (see :mod:`bpstrain.trainer._dispatch`). Some names exist
+in both APIs with different arguments (``on_train_batch_end``, ``on_train_end``,
+``on_test_end``, ...); the dispatcher tells them apart by the override's signature:
 
     class Lightningish(Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx): ...
@@ -82,11 +82,38 @@ class Callback:
     def on_validation_start(self, trainer, module) -> None:
         """Before the validation pass of an epoch."""
 
+    def on_validation_epoch_start(self, trainer, module) -> None:
+        """After ``on_validation_start``, before the first validation batch."""
+
     def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx: int) -> None:
         """After one validation batch."""
 
+    def on_validation_epoch_end(self, trainer, module) -> None:
+        """After the last validation batch; ``trainer.logs`` has the ``val_*`` metrics,
+        averaged over ranks (MetricAveraging runs first)."""
+
     def on_validation_end(self, trainer, module) -> None:
         """After validation; ``trainer.logs`` has the (averaged) ``val_*`` metrics."""
+
+    def on_test_start(self, trainer, module) -> None:
+        """``Trainer.test`` begins."""
+
+    def on_test_epoch_start(self, trainer, module) -> None:
+        """Before the first test batch."""
+
+    def on_test_batch_end(self, *args, **kwargs) -> None:
+        """Lightning-style ``(trainer, module, outputs, batch, batch_idx)``: after one test
+        batch. (Keras' ``(batch, logs)`` form is never called.)"""
+
+    def on_test_epoch_end(self, trainer, module) -> None:
+        """After the last test batch; ``trainer.logs`` has the averaged ``test_*`` metrics."""
+
+    def on_predict_start(self, trainer, module) -> None:
+        """``Trainer.predict`` begins."""
+
+    def on_predict_end(self, *args, **kwargs) -> None:
+        """Lightning-style ``(trainer, module)``: ``Trainer.predict`` ended. (Keras'
+        ``(logs)`` form is never called.)"""
 
     def on_save_checkpoint(self, trainer, module, checkpoint: Dict[str, Any]) -> None:
         """A checkpoint dict is about to be written; add entries to it here."""
@@ -117,5 +144,6 @@ class Callback:
     def on_test_begin(self, logs: Logs = None) -> None:
         """Keras: validation begins."""
 
-    def on_test_end(self, logs: Logs = None) -> None:
-        """Keras: validation ended."""
+    def on_test_end(self, *args, **kwargs) -> None:
+        """Keras ``(logs)``: validation during ``fit`` ended; Lightning ``(trainer,
+        module)``: ``Trainer.test`` ended."""

@@ -110,6 +110,7 @@ class ModelCheckpoint(Callback):
     """
 
     _dispatch_last = True
+    _monitors_metric = True  # after the module's on_train_epoch_end (Lightning's order)
 
     def __init__(self, dirpath: Optional[Union[str, os.PathLike]] = None,
                  every_n_epochs: int = 1, keep: int = 0, monitor: str = "val_loss",

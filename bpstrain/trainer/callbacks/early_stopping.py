@@ -23,6 +23,8 @@ class EarlyStopping(Callback):
         min_delta: Smallest change that counts as an improvement.
     """
 
+    _monitors_metric = True  # after the module's on_train_epoch_end (Lightning's order)
+
     def __init__(self, monitor: str = "val_loss", patience: int = 3, mode: str = "auto",
                  min_delta: float = 0.0):
         if patience < 1:

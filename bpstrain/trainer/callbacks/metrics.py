@@ -14,14 +14,14 @@ class MetricAveraging(Callback):
 
     In the torch loop every rank keeps ``(sum, count)`` per metric, so the result is
     the exact sample-weighted mean (the same on every rank), as if one process had
-    seen all the data. Validation metrics are averaged at ``on_validation_end``,
+    seen all the data. Validation metrics are averaged at ``on_validation_epoch_end``,
     training metrics at ``on_train_epoch_end``. With only plain logs (Keras) the
     values are averaged unweighted. Always dispatched before other callbacks.
     """
 
     _dispatch_first = True
 
-    def on_validation_end(self, trainer, module) -> None:
+    def on_validation_epoch_end(self, trainer, module) -> None:
         average_sums(trainer, trainer.val_sums, "val")
 
     def on_train_epoch_end(self, trainer, module) -> None:
