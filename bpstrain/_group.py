@@ -60,6 +60,43 @@ def broadcast_group(
     ])
 
 
+def allgather(array, name: str) -> tuple:
+    """Every rank's ``array`` concatenated along axis 0, in rank order (Horovod's allgather).
+
+    Ranks may pass different first dimensions; the other dimensions and the dtype must
+    agree (else ``MismatchError`` on every rank). One push_pull of the row counts, then
+    one broadcast rooted at each rank that has rows: each rank sends its rows once.
+
+    Args:
+        array: This rank's rows (at least one dimension).
+        name: Engine name prefix; every rank must pass the same one.
+
+    Returns:
+        ``(gathered, counts)``: the concatenation, and the rows of each rank (int64).
+
+    Raises:
+        ValueError: a 0-d array (there is no axis to concatenate along).
+    """
+    array = np.asarray(array)
+    if array.ndim == 0:
+        raise ValueError("allgather needs an array of at least one dimension (it concatenates "
+                         "along the first). Received: a 0-d value")
+    rank = engine.rank()
+    counts = np.zeros(engine.size(), dtype=np.int64)
+    counts[rank] = array.shape[0]
+    counts = push_pull_group([counts], [f"{name}.counts"], average=False)[0]
+    parts = {root: np.ascontiguousarray(array) if root == rank
+             else np.empty((rows, *array.shape[1:]), dtype=array.dtype)
+             for root, rows in enumerate(counts.tolist()) if rows > 0}  # every rank knows counts
+    received = _run([
+        lambda root=root, part=part: engine.broadcast_async(part, root, name=f"{name}.{root}",
+                                                            priority=-root)
+        for root, part in parts.items()])
+    if not received:
+        return np.empty((0, *array.shape[1:]), dtype=array.dtype), counts
+    return np.concatenate(received), counts
+
+
 def average(array: np.ndarray, count: int) -> np.ndarray:
     """``array / count`` in the array's own dtype, as the engine's ``Op.AVERAGE`` divides:
     floating arrays exactly, integer arrays with floor division (documented semantics)."""

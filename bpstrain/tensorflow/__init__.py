@@ -25,6 +25,7 @@ Example, a custom training loop run with
 
 ``Compression.none``/``Compression.fp16`` and ``op=Average``/``op=Sum`` are taken by
 ``push_pull``, ``DistributedGradientTape`` and ``DistributedOptimizer`` as in Horovod;
+``allgather`` concatenates every rank's rows (first dimensions may differ), as Horovod's;
 Keras scripts written for ``horovod.tensorflow.keras`` / ``byteps.tensorflow.keras``
 import :mod:`bpstrain.tensorflow.keras`.
 
@@ -43,14 +44,15 @@ op timeout.
 from bpstrain.engine import (barrier, init, is_initialized, local_rank, local_size, rank,
                              shutdown, size)
 from bpstrain.errors import BpsError, MismatchError, PeerError
-from bpstrain.tensorflow._ops import Average, Sum, broadcast, check_not_xla, push_pull
+from bpstrain.tensorflow._ops import (Average, Sum, allgather, broadcast, check_not_xla,
+                                      push_pull)
 from bpstrain.tensorflow._optim import (DistributedGradientTape, DistributedOptimizer,
                                         broadcast_variables)
 from bpstrain.tensorflow.compression import Compression
 
 __all__ = [
     "Average", "BpsError", "Compression", "DistributedGradientTape", "DistributedOptimizer", "MismatchError",
-    "PeerError", "barrier", "broadcast", "broadcast_variables", "check_not_xla", "init",
+    "PeerError", "allgather", "barrier", "broadcast", "broadcast_variables", "check_not_xla", "init",
     "is_initialized",
     "local_rank", "local_size", "push_pull", "rank", "shutdown", "size", "Sum",
 ]

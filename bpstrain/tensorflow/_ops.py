@@ -187,3 +187,73 @@ def _broadcast(tensor, root_rank, name):
     return op(tensor)
 
 
+
+
+def allgather(tensor, name: Optional[str] = None, ignore_name_scope: bool = False,
+              process_set=None):
+    """Horovod's ``allgather``: every rank's ``tensor`` concatenated along dimension 0.
+
+    Ranks may pass different first dimensions (the other dimensions and the dtype must
+    agree). Works eagerly and inside ``tf.function``; differentiable as in Horovod: a
+    rank's gradient is its own rows of the sum of every rank's upstream gradient. Each
+    rank sends its rows once (one engine broadcast rooted at each rank, after a small
+    push_pull of the row counts).
+
+    Args:
+        tensor: A tensor of at least one dimension, of a supported dtype (see
+            :func:`push_pull`).
+        name: Engine name (derived as in :func:`push_pull` when omitted).
+        ignore_name_scope: Accepted for Horovod's signature (names are not scoped).
+        process_set: Only ``None``: every collective spans all workers.
+
+    Returns:
+        A tensor of the input's dtype with ``sum of every rank's rows`` rows.
+
+    Raises:
+        ValueError: a 0-d tensor.
+        NotImplementedError: a ``process_set``.
+        MismatchError: ranks disagree on the trailing dimensions or the dtype.
+    """
+    del ignore_name_scope
+    if process_set is not None:
+        raise NotImplementedError(
+            "process_set is not offered: every bpstrain collective spans all workers. "
+            f"Received: process_set={process_set!r}")
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.shape.rank == 0:
+        raise ValueError("allgather needs a tensor of at least one dimension (it concatenates "
+                         "along dimension 0). Received: a 0-d tensor")
+    return _allgather(tensor, tensor_name("allgather", tensor, name))
+
+
+def _gather_rows(tensor, name):
+    """(every rank's rows concatenated, the rows of each rank as int64), eager or in a graph."""
+
+    @tf.autograph.experimental.do_not_convert  # plain Python, run by numpy_function
+    def run(array):
+        return _group.allgather(array, name)
+
+    if tf.executing_eagerly():
+        out, counts = run(tensor.numpy())
+        return tf.convert_to_tensor(out), tf.convert_to_tensor(counts)
+    check_not_xla()
+    out, counts = tf.numpy_function(run, [tensor], [tensor.dtype, tf.int64], stateful=True,
+                                    name="bpstrain_allgather")
+    out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+    counts.set_shape([engine.size()])
+    return out, counts
+
+
+def _allgather(tensor, name):
+    @tf.custom_gradient
+    def op(x):
+        out, counts = _gather_rows(x, name)
+
+        def grad(upstream):
+            total = _push_pull(tf.convert_to_tensor(upstream), False, name + ".grad", 0)
+            start = tf.reduce_sum(counts[:engine.rank()])
+            return total[start:start + tf.shape(x, out_type=tf.int64)[0]]
+
+        return out, grad
+
+    return op(tensor)

@@ -244,6 +244,53 @@ def check_ops_and_compression(r, n):
     expect(w.numpy(), [-n * 1.0], "v1 optimizer op=Sum, fp16")
 
 
+def check_allgather(r, n):
+    """Horovod's allgather: ranks' rows in rank order (different row counts), eager, in a
+    tf.function, its gradient, the tf.keras module's numpy form, and the errors."""
+    import pytest
+
+    import bpstrain.tensorflow.keras as hvd_keras
+
+    rows = [k + 1 for k in range(n)]  # rank k has k + 1 rows
+    every = np.concatenate([np.full((rows[k], 2), float(k)) for k in range(n)])
+    for dtype in (tf.float32, tf.int64, tf.bfloat16):
+        out = bps.allgather(tf.cast(tf.fill([r + 1, 2], float(r)), dtype))
+        assert out.dtype == dtype and out.shape == every.shape, (dtype, out)
+        expect(out, every, f"eager allgather {dtype.name}")
+    # Rank 0 has no rows at all: nothing to send from it.
+    expect(bps.allgather(tf.fill([r, 3], float(r)), name="ag.empty0"),
+           np.concatenate([np.full((k, 3), float(k)) for k in range(n)]), "allgather, 0 rows on rank 0")
+
+    @tf.function
+    def in_graph(x):
+        return bps.allgather(x * 2.0)
+
+    for _ in range(2):  # the derived name is used again, round after round
+        out = in_graph(tf.fill([r + 1, 2], float(r)))
+        assert out.shape.as_list() == list(every.shape), out.shape
+        expect(out, 2 * every, "allgather in tf.function")
+
+    # The gradient of rank r's rows: its rows of the sum over ranks of the upstream gradient.
+    offset = sum(rows[:r])
+    x = tf.Variable(tf.ones([r + 1, 2]))
+    weight = tf.constant(np.arange(every.shape[0], dtype=np.float32)[:, None] * (r + 1))
+
+    def grads():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(bps.allgather(x, name="ag.grad") * weight)
+        return tape.gradient(loss, x)
+
+    wanted = np.arange(offset, offset + r + 1)[:, None] * (n * (n + 1) / 2) * np.ones((1, 2))
+    expect(grads(), wanted, "eager d allgather")
+    expect(tf.function(grads)(), wanted, "graph d allgather")
+
+    expect(hvd_keras.allgather([float(r)]), np.arange(n), "tf.keras allgather")
+    with pytest.raises(ValueError, match="at least one dimension"):
+        bps.allgather(tf.constant(1.0))
+    with pytest.raises(NotImplementedError, match="process_set"):
+        bps.allgather(tf.ones([1]), process_set=object())
+
+
 CHECKS = [
     ("dtypes", check_dtypes),
     ("graph_names", check_graph_names),
@@ -254,6 +301,7 @@ CHECKS = [
     ("custom_loop", check_custom_loop),
     ("xla_refused", check_xla_refused),
     ("ops_and_compression", check_ops_and_compression),
+    ("allgather", check_allgather),
 ]
 
 

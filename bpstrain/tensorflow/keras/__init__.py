@@ -20,7 +20,7 @@ the canonical TF2-Keras MNIST script runs after only the rename::
                   bps.callbacks.LearningRateWarmupCallback(warmup_epochs=3, verbose=1)])
 
 Not offered: ``broadcast_global_variables`` (TF1 sessions; it raises and names the
-alternative), ``load_model``, ``allgather`` and elastic training.
+alternative), ``load_model`` and elastic training.
 """
 
 from typing import Optional
@@ -32,7 +32,7 @@ if keras.backend.backend() != "tensorflow":
                       "bpstrain.keras with other backends. Received: KERAS_BACKEND="
                       f"{keras.backend.backend()!r}")
 
-from bpstrain import engine  # noqa: E402 (the check above comes first)
+from bpstrain import _group, engine  # noqa: E402 (the check above comes first)
 from bpstrain.engine import (  # noqa: E402
     barrier, init, is_initialized, local_rank, local_size, rank, shutdown, size)
 from bpstrain.keras import broadcast_variables  # noqa: E402
@@ -43,7 +43,7 @@ from bpstrain.tensorflow._ops import resolve_average  # noqa: E402
 from bpstrain.tensorflow.keras import callbacks  # noqa: E402
 
 __all__ = [
-    "Average", "Compression", "DistributedOptimizer", "Sum", "allreduce", "barrier",
+    "Average", "Compression", "DistributedOptimizer", "Sum", "allgather", "allreduce", "barrier",
     "broadcast", "broadcast_global_variables", "broadcast_variables", "callbacks", "init",
     "is_initialized", "local_rank", "local_size", "push_pull", "rank", "shutdown", "size",
 ]
@@ -92,6 +92,15 @@ def push_pull(value, name: Optional[str] = None, average: bool = True):
 def allreduce(value, name: Optional[str] = None, average: Optional[bool] = None, op=None):
     """Horovod's spelling of :func:`push_pull`: ``op=Average`` (default) or ``op=Sum``."""
     return _keras_push_pull(value, average=resolve_average(average, op), name=name)
+
+
+def allgather(value, name: Optional[str] = None):
+    """Every rank's rows of a tensor, array or number list, concatenated along dimension 0,
+    as numpy (Horovod's ``horovod.tensorflow.keras.allgather``; first dimensions may differ)."""
+    import numpy as np
+
+    array = np.asarray(keras.ops.convert_to_numpy(value))
+    return _group.allgather(array, name or engine.auto_name("keras.allgather"))[0]
 
 
 def broadcast(value, root_rank: int, name: Optional[str] = None):
