@@ -52,13 +52,22 @@ class Comm:
             optimizer, named_parameters=module.named_parameters(),
             backward_passes_per_step=backward_passes_per_step)
 
-    def broadcast_state(self, module, optimizer) -> None:
-        """Makes every rank start from rank 0's parameters and optimizer state (if any)."""
+    def broadcast_state(self, module, optimizers=None) -> None:
+        """Makes every rank start from rank 0's parameters and optimizers' state.
+
+        Args:
+            optimizers: None, an optimizer or a list of them.
+        """
         if not self.distributed:
             return
         self._adapter().broadcast_parameters(module.state_dict(), root_rank=0)
-        if optimizer is not None:
-            self._adapter().broadcast_optimizer_state(optimizer, root_rank=0)
+        if optimizers is None:
+            optimizers = []
+        elif not isinstance(optimizers, (list, tuple)):
+            optimizers = [optimizers]
+        for i, optimizer in enumerate(optimizers):
+            prefix = "broadcast_optimizer_state" + (f".{i}" if i else "")
+            self._adapter().broadcast_optimizer_state(optimizer, root_rank=0, prefix=prefix)
 
     def broadcast_object(self, obj: Any, name: str) -> Any:
         """Rank 0's picklable ``obj`` on every rank (others pass anything, e.g. None)."""

@@ -103,7 +103,7 @@ def _means(sums: Sums) -> Dict[str, float]:
     return {k: (s / n if n else math.nan) for k, (s, n) in sums.items()}
 
 
-def _restore(trainer, module, optimizer) -> None:
+def _restore(trainer, module, optimizers: list) -> None:
     """Loads the checkpoint ``trainer.resume`` names; rank 0 reads it, everyone gets it.
 
     Reading on rank 0 only makes every rank take the same decision (resume or start
@@ -126,7 +126,13 @@ def _restore(trainer, module, optimizer) -> None:
         hook(ckpt)
     module.load_state_dict(ckpt["model"])
     if ckpt.get("optimizer") is not None:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        states = [ckpt["optimizer"]] + list(ckpt.get("other_optimizers") or [])
+        if len(states) != len(optimizers):
+            raise ValueError(f"The checkpoint {path} holds the state of {len(states)} "
+                             f"optimizer(s) but the module has {len(optimizers)}; resume with "
+                             f"the same configure_optimizers(). Received: {len(optimizers)}")
+        for optimizer, state in zip(optimizers, states):
+            optimizer.load_state_dict(state)
     trainer.precision_plugin.load_state_dict(ckpt.get("grad_scaler") or {})
     for spec, state in zip(trainer.lr_schedulers, ckpt.get("lr_schedulers") or []):
         spec.scheduler.load_state_dict(state)
@@ -147,13 +153,20 @@ def _restore(trainer, module, optimizer) -> None:
     trainer.print(f"resumed from {path} (epoch {trainer.current_epoch})")
 
 
-def _build_optimizer(trainer, module) -> tuple:
-    """``(optimizer, [SchedulerSpec])`` from ``configure_optimizers`` or the config."""
+def _build_optimizers(trainer, module) -> tuple:
+    """``([optimizer, ...], [SchedulerSpec])`` from ``configure_optimizers`` or the config."""
+    if getattr(module, "automatic_optimization", True) is False:
+        raise ConfigError("The module sets automatic_optimization = False (Lightning's manual "
+                          "optimization), which the bpstrain Trainer does not offer: it runs "
+                          "backward and steps every optimizer itself. Return several "
+                          "optimizers from configure_optimizers() to step them all each step, "
+                          "or use lightning.Trainer(strategy=BpstrainStrategy()). "
+                          "Received: automatic_optimization=False")
     configure = getattr(module, "configure_optimizers", None)
     if not callable(configure):
-        return _optim.build_optimizer(trainer.config.optimizer, module.parameters(),
-                                      trainer.size), []
-    optimizer, specs = _optim.parse_configure_optimizers(configure())
+        return [_optim.build_optimizer(trainer.config.optimizer, module.parameters(),
+                                       trainer.size)], []
+    optimizers, specs = _optim.parse_configure_optimizers(configure())
     o = trainer.config.optimizer
     if specs and (o.warmup_epochs > 0 or o.schedule != "constant"):
         raise ConfigError("configure_optimizers() returned LR schedulers and the config sets "
@@ -161,7 +174,7 @@ def _build_optimizer(trainer, module) -> tuple:
                           "learning rate. Keep one. Received: "
                           f"optimizer.warmup_epochs={o.warmup_epochs}, "
                           f"optimizer.schedule={o.schedule!r}")
-    return optimizer, specs
+    return optimizers, specs
 
 
 def _step_epoch_schedulers(trainer, epoch: int, logs: Dict[str, Any]) -> None:
@@ -192,12 +205,13 @@ def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
     passes = int(cfg.optimizer.backward_passes_per_step)
     steps = min(len(train_dl), cfg.trainer.steps or len(train_dl))
     trainer.num_training_batches = max(steps - steps % passes, min(steps, passes))
-    optimizer, trainer.lr_schedulers = _build_optimizer(trainer, module)
-    trainer.module, trainer.optimizer = module, optimizer
-    _restore(trainer, module, optimizer)
-    trainer.optimizer = comm.wrap_optimizer(optimizer, module, passes)
-    _optim.rebind_schedulers(trainer.lr_schedulers, trainer.optimizer)
-    comm.broadcast_state(module, optimizer)
+    optimizers, trainer.lr_schedulers = _build_optimizers(trainer, module)
+    trainer.module, trainer.optimizers, trainer.optimizer = module, optimizers, optimizers[0]
+    _restore(trainer, module, optimizers)
+    trainer.optimizers = [comm.wrap_optimizer(o, module, passes) for o in optimizers]
+    trainer.optimizer = trainer.optimizers[0]
+    _optim.rebind_schedulers(trainer.lr_schedulers, optimizers, trainer.optimizers)
+    comm.broadcast_state(module, optimizers)
     step_schedulers = [s for s in trainer.lr_schedulers if s.interval == "step"]
     run = _Steps(module, cfg.trainer.loss)
     callbacks = trainer.callbacks
@@ -210,7 +224,7 @@ def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
         train_dl.sampler.set_epoch(epoch)
         fire(callbacks, "train_epoch_start", trainer, module, epoch=epoch, logs=trainer.logs)
         module.train()
-        trainer.optimizer.zero_grad()
+        _zero_grad(trainer.optimizers)
         for batch_idx, batch in enumerate(train_dl):
             if batch_idx >= trainer.num_training_batches:
                 break
@@ -229,7 +243,7 @@ def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
             fire(callbacks, "after_backward", trainer, module)
             if (batch_idx + 1) % passes == 0:
                 optimizer_step(trainer, module, precision, fire)
-                trainer.optimizer.zero_grad()
+                _zero_grad(trainer.optimizers)
                 trainer.global_step += 1
                 for spec in step_schedulers:
                     if trainer.global_step % spec.frequency == 0:
@@ -243,6 +257,8 @@ def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
         if val_dl is not None and every and (epoch + 1) % every == 0:
             _validate(trainer, module, val_dl, run, device)
         trainer.logs["lr"] = _lr(trainer.optimizer)  # the rate this epoch trained with
+        for i, other in enumerate(trainer.optimizers[1:], 1):
+            trainer.logs[f"lr_{i}"] = _lr(other)
         trainer.schedulers_pending = bool(trainer.lr_schedulers)
         fire(callbacks, "train_epoch_end", trainer, module, epoch=epoch, logs=trainer.logs)
         # After the callbacks: plateau schedulers see the averaged metrics.
@@ -255,6 +271,11 @@ def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
     fire(callbacks, "train_end", trainer, module, logs=trainer.history.last)
     fire(callbacks, "fit_end", trainer, module)
     return trainer.history
+
+
+def _zero_grad(optimizers: list) -> None:
+    for optimizer in optimizers:
+        optimizer.zero_grad()
 
 
 def _lr(optimizer) -> float:

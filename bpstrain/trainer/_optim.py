@@ -131,64 +131,97 @@ def _scheduler_spec(item: Any) -> SchedulerSpec:
                     f"Received: {type(item).__name__}")
 
 
-def parse_configure_optimizers(result: Any) -> tuple:
-    """``(optimizer, [SchedulerSpec])`` from what ``configure_optimizers()`` returned.
+def _split(item: Any) -> tuple:
+    """``(optimizer, [scheduler items])`` of one optimizer entry (maybe Lightning's dict)."""
+    if isinstance(item, dict):
+        if "optimizer" not in item:
+            raise TypeError("configure_optimizers() returned a dict without 'optimizer'. "
+                            f"Received: keys {sorted(item)}")
+        unknown = set(item) - {"optimizer", "lr_scheduler", "monitor"}
+        if unknown:
+            raise TypeError(f"Unknown configure_optimizers() dict keys {sorted(unknown)}; "
+                            "expected optimizer, lr_scheduler. Received: " + str(sorted(item)))
+        sched = item.get("lr_scheduler")
+        if isinstance(sched, dict) and "monitor" in item and "monitor" not in sched:
+            sched = {**sched, "monitor": item["monitor"]}
+        elif sched is not None and not isinstance(sched, dict) and "monitor" in item:
+            sched = {"scheduler": sched, "monitor": item["monitor"]}
+        return item["optimizer"], [] if sched is None else [sched]
+    return item, []
 
-    Accepted (Lightning's forms, one optimizer): an optimizer; ``[optimizer]``;
-    ``([optimizer], [scheduler, ...])``; ``{"optimizer": opt, "lr_scheduler": sched or
-    {"scheduler": sched, "interval": "step", "frequency": 1, "monitor": "val_loss"}}``.
+
+def parse_configure_optimizers(result: Any) -> tuple:
+    """``([optimizer, ...], [SchedulerSpec, ...])`` from what ``configure_optimizers()``
+    returned.
+
+    Accepted (Lightning's forms): an optimizer; a list or tuple of optimizers;
+    ``([optimizers], [schedulers])``; ``{"optimizer": opt, "lr_scheduler": sched or
+    {"scheduler": sched, "interval": "step", "frequency": 1, "monitor": "val_loss"}}``;
+    a list or tuple of such dicts. Several optimizers must own disjoint parameters:
+    each is wrapped in its own DistributedOptimizer, and every training step runs one
+    backward pass and then steps each of them (Lightning's automatic optimization
+    allows one optimizer; this is its natural extension, e.g. SparseAdam for the
+    embeddings and AdamW for the rest).
 
     Raises:
-        TypeError: Another form, or more than one optimizer.
+        TypeError: Another form, no optimizer, a parameter in two optimizers, or a
+            scheduler of an optimizer that was not returned.
     """
     schedulers: list = []
-    if isinstance(result, dict):
-        if "optimizer" not in result:
-            raise TypeError("configure_optimizers() returned a dict without 'optimizer'. "
-                            f"Received: keys {sorted(result)}")
-        optimizer, sched = result["optimizer"], result.get("lr_scheduler")
-        schedulers = [] if sched is None else [sched]
-    elif (isinstance(result, (list, tuple)) and len(result) == 2
-          and isinstance(result[0], (list, tuple)) and isinstance(result[1], (list, tuple))):
-        optimizers, schedulers = list(result[0]), list(result[1])
-        if len(optimizers) != 1:
-            raise TypeError("configure_optimizers() must return one optimizer (the Trainer "
-                            "averages one optimizer's gradients). "
-                            f"Received: {len(optimizers)} optimizers")
-        optimizer = optimizers[0]
+    if (isinstance(result, (list, tuple)) and len(result) == 2
+            and isinstance(result[0], (list, tuple)) and isinstance(result[1], (list, tuple))):
+        entries, schedulers = list(result[0]), list(result[1])
     elif isinstance(result, (list, tuple)):
-        if len(result) != 1:
-            raise TypeError("configure_optimizers() must return one optimizer (the Trainer "
-                            f"averages one optimizer's gradients). Received: {len(result)} items")
-        optimizer = result[0]
+        entries = list(result)
     else:
-        optimizer = result
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError("configure_optimizers() must return a torch optimizer, optionally with "
-                        f"LR schedulers. Received: {type(optimizer).__name__}")
+        entries = [result]
+    optimizers = []
+    for entry in entries:
+        optimizer, scheds = _split(entry)
+        optimizers.append(optimizer)
+        schedulers += scheds
+    if not optimizers:
+        raise TypeError("configure_optimizers() returned no optimizer. Received: "
+                        f"{type(result).__name__} of length 0")
+    for optimizer in optimizers:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("configure_optimizers() must return torch optimizers, optionally "
+                            f"with LR schedulers. Received: {type(optimizer).__name__}")
+    owner: dict = {}
+    for i, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if owner.setdefault(id(p), i) != i:
+                    raise TypeError("A parameter is in two optimizers of configure_optimizers()"
+                                    "; each optimizer must own its parameters (its gradients "
+                                    "are averaged once). Received: a parameter of shape "
+                                    f"{tuple(p.shape)} in optimizers {owner[id(p)]} and {i}")
     specs = [_scheduler_spec(s) for s in schedulers]
     for spec in specs:
-        if spec.scheduler.optimizer is not optimizer:
-            raise TypeError("Each LR scheduler of configure_optimizers() must drive the "
-                            "returned optimizer. Received: a scheduler of another optimizer")
-    return optimizer, specs
+        if not any(spec.scheduler.optimizer is o for o in optimizers):
+            raise TypeError("Each LR scheduler of configure_optimizers() must drive one of the "
+                            "returned optimizers. Received: a scheduler of another optimizer")
+    return optimizers, specs
 
 
-def rebind_schedulers(specs: list, optimizer: Any) -> None:
-    """Points the schedulers at the (distributed) optimizer that replaced theirs.
+def rebind_schedulers(specs: list, originals: list, wrapped: list) -> None:
+    """Points each scheduler at the (distributed) optimizer that replaced its own.
 
     The wrapper shares the param groups, so learning rates already reach it; this also
     marks its ``step`` the way torch schedulers do, so they do not warn that
     ``optimizer.step()`` was never called.
     """
     for spec in specs:
-        if spec.scheduler.optimizer is optimizer:
+        index = next((i for i, o in enumerate(originals) if spec.scheduler.optimizer is o),
+                     None)
+        if index is None or spec.scheduler.optimizer is wrapped[index]:
             continue
+        optimizer = wrapped[index]
         spec.scheduler.optimizer = optimizer
         step = optimizer.step
         if not hasattr(step, "_wrapped_by_lr_sched"):
-            def tracked(*args, _step=step, **kwargs):
-                optimizer._opt_called = True
+            def tracked(*args, _step=step, _optimizer=optimizer, **kwargs):
+                _optimizer._opt_called = True
                 return _step(*args, **kwargs)
 
             tracked._wrapped_by_lr_sched = True

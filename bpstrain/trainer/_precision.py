@@ -57,8 +57,12 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer) -> None:
+    def step(self, optimizer, update: bool = True) -> None:
         """Steps the optimizer; with "16" the scaler skips a step with inf/NaN gradients.
+
+        Args:
+            update: Update the loss scale afterwards; with several optimizers pass False
+                and call :meth:`update` once after stepping them all.
 
         Nothing here reads the scale back: that would wait for the GPU every step.
         """
@@ -66,7 +70,13 @@ class Precision:
             optimizer.step()
             return
         self.scaler.step(optimizer)
-        self.scaler.update()
+        if update:
+            self.scaler.update()
+
+    def update(self) -> None:
+        """Updates the loss scale (after every optimizer of the step has stepped)."""
+        if self.scaler is not None:
+            self.scaler.update()
 
     def state_dict(self) -> Dict[str, Any]:
         """The scaler's state (empty without one), saved in checkpoints."""
@@ -78,19 +88,23 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
-def clip_gradients(optimizer, value: Optional[float], algorithm: str):
+def clip_gradients(optimizers, value: Optional[float], algorithm: str):
     """Clips every parameter's gradient; returns the total norm before clipping ("norm"),
     as a 0-d tensor (reading it as a number would wait for the GPU).
 
     Args:
+        optimizers: An optimizer or a list of them; the norm is over all their
+            parameters together (as if they were one optimizer).
         value: ``trainer.gradient_clip_val``; None = no clipping.
         algorithm: ``"norm"`` (total 2-norm over all gradients) or ``"value"`` (each
             element into [-value, value]).
     """
     if value is None:
         return None
-    params = [p for group in optimizer.param_groups for p in group["params"]
-              if p.grad is not None]
+    if not isinstance(optimizers, (list, tuple)):
+        optimizers = [optimizers]
+    params = [p for optimizer in optimizers for group in optimizer.param_groups
+              for p in group["params"] if p.grad is not None]
     if algorithm == "value":
         torch.nn.utils.clip_grad_value_(params, value)
         return None
@@ -101,17 +115,25 @@ def optimizer_step(trainer, module, precision: Precision, fire) -> None:
     """One optimizer step after the backward passes of a step (see the module docstring).
 
     Gradients are averaged first (``synchronize``), so the hook, clipping and the inf
-    check all see the same averaged gradients on every rank.
+    check all see the same averaged gradients on every rank. With several optimizers
+    (``trainer.optimizers``) each is synchronized, unscaled and announced to
+    ``on_before_optimizer_step``; clipping then sees all their gradients together,
+    each steps, and the loss scale is updated once.
     """
-    optimizer = trainer.optimizer
-    distributed = hasattr(optimizer, "skip_synchronize")
-    if distributed:
-        optimizer.synchronize()
-    precision.unscale(optimizer)
-    fire(trainer.callbacks, "before_optimizer_step", trainer, module, optimizer=optimizer)
+    optimizers = list(getattr(trainer, "optimizers", None) or [trainer.optimizer])
+    for optimizer in optimizers:
+        if hasattr(optimizer, "skip_synchronize"):
+            optimizer.synchronize()
+    for optimizer in optimizers:
+        precision.unscale(optimizer)
+    for optimizer in optimizers:
+        fire(trainer.callbacks, "before_optimizer_step", trainer, module, optimizer=optimizer)
     t = trainer.config.trainer
-    norm = clip_gradients(optimizer, t.gradient_clip_val, t.gradient_clip_algorithm)
+    norm = clip_gradients(optimizers, t.gradient_clip_val, t.gradient_clip_algorithm)
     if norm is not None:
         trainer.last_grad_norm = norm
-    with optimizer.skip_synchronize() if distributed else contextlib.nullcontext():
-        precision.step(optimizer)
+    for optimizer in optimizers:
+        distributed = hasattr(optimizer, "skip_synchronize")
+        with optimizer.skip_synchronize() if distributed else contextlib.nullcontext():
+            precision.step(optimizer, update=False)
+    precision.update()

@@ -97,7 +97,7 @@ class Trainer:
 
     Attributes (read by callbacks):
         config, callbacks, comm, rank, size, local_rank, is_global_zero, module,
-        optimizer, lr_schedulers, precision_plugin, current_epoch, global_step,
+        optimizer (the first of ``optimizers``), optimizers, lr_schedulers, precision_plugin, current_epoch, global_step,
         epochs_completed, max_epochs, num_training_batches, num_val_batches, logs,
         train_sums, val_sums, history, should_stop, resumed, out_dir, run_name, run_dir,
         loggers, last_grad_norm, progress_sink.
@@ -114,6 +114,7 @@ class Trainer:
         self.comm = None
         self.rank, self.size, self.local_rank = 0, 1, 0
         self.module = self.optimizer = self.precision_plugin = None
+        self.optimizers: list = []
         self.lr_schedulers: list = []
         self.schedulers_pending = False
         self.last_grad_norm = None  # 0-d tensor: total gradient norm before clipping
@@ -331,7 +332,8 @@ class Trainer:
         from bpstrain import __version__
 
         keras = is_keras_model(self.module)
-        optimizer = None if keras else self.optimizer
+        optimizers = [] if keras else list(self.optimizers or [self.optimizer])
+        optimizers = [o for o in optimizers if o is not None]
         history = self.history.to_dict()
         epochs = history["epochs"]
         if self.logs and (not epochs or epochs[-1].get("epoch") != self.current_epoch):
@@ -341,7 +343,8 @@ class Trainer:
             "epoch": self.current_epoch, "global_step": self.global_step,
             "model": (self.module.get_weights() if keras else self.module.state_dict())
             if self.module is not None else None,
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "optimizer": optimizers[0].state_dict() if optimizers else None,
+            "other_optimizers": [o.state_dict() for o in optimizers[1:]],
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "history": history,
             "config": OmegaConf.to_container(self.config, resolve=True),

@@ -210,7 +210,7 @@ def test_configure_optimizers_rejects_bad_forms(tmp_path):
         def configure_optimizers(self):
             return [torch.optim.SGD(self.parameters(), 0.1), torch.optim.SGD(self.parameters(), 1)]
 
-    with pytest.raises(TypeError, match="one optimizer"):
+    with pytest.raises(TypeError, match="in two optimizers"):
         Trainer(base_config(tmp_path)).fit(Two(), (x, y))
     with pytest.raises(ConfigError, match="both would set the learning rate"):
         Trainer(base_config(tmp_path, **{"optimizer.warmup_epochs": 1})).fit(

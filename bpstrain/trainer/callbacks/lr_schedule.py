@@ -59,8 +59,13 @@ def set_lrs(optimizer, lrs: Sequence[float]) -> None:
     set_learning_rate(optimizer, lrs[0])
 
 
+def _optimizers(trainer) -> list:
+    """Every optimizer of the fit (``configure_optimizers`` may return several)."""
+    return list(getattr(trainer, "optimizers", None) or [trainer.optimizer])
+
+
 class LearningRateSchedule(Callback):
-    """Sets every param group's lr before each training batch.
+    """Sets every param group's lr (of every optimizer) before each training batch.
 
     With ``scale_lr`` (Horovod's lr * workers), warm-up starts from the unscaled lr
     (factor 1/size), as in Goyal et al.; otherwise it starts near 0.
@@ -93,7 +98,7 @@ class LearningRateSchedule(Callback):
 
     def on_fit_start(self, trainer, module) -> None:
         if self.base_lrs is None or not trainer.resumed:  # a resume keeps the saved ones
-            self.base_lrs = get_lrs(trainer.optimizer)
+            self.base_lrs = [lr for o in _optimizers(trainer) for lr in get_lrs(o)]
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if self.is_noop:
@@ -102,7 +107,12 @@ class LearningRateSchedule(Callback):
         start = 1.0 / trainer.size if self.scale_lr and trainer.size > 1 else 0.0
         factor = lr_factor(t, trainer.max_epochs, self.warmup_epochs, self.schedule,
                            self.step_epochs, self.gamma, start)
-        set_lrs(trainer.optimizer, [base * factor for base in self.base_lrs])
+        lrs = [base * factor for base in self.base_lrs]
+        optimizers = _optimizers(trainer)
+        for optimizer in optimizers:
+            count = len(optimizer.param_groups) if len(optimizers) > 1 else len(lrs)
+            set_lrs(optimizer, lrs[:count])
+            lrs = lrs[count:]
 
     def on_train_epoch_end(self, trainer, module) -> None:
         trainer.logs.setdefault("lr", get_lrs(trainer.optimizer)[0])
