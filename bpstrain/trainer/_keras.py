@@ -1,23 +1,42 @@
-"""The Keras branch of ``fit``: ``model.fit`` with :class:`bpstrain.keras.BytePSCallback`.
+"""The Keras branch of ``fit``, ``validate``, ``test`` and ``predict``.
 
-Thin on purpose: Keras runs the loop; gradients are averaged by
+Thin on purpose: Keras runs the loop (``model.fit`` with
+:class:`bpstrain.keras.BytePSCallback`); gradients are averaged by
 ``bpstrain.keras.DistributedOptimizer`` (the model is re-compiled with it when its
 optimizer is a plain one), ``BytePSCallback`` broadcasts rank 0's variables at train
 begin, and a bridge turns Keras' hook calls into Trainer events, so the same
 callbacks (progress bar, CSV, early stopping, LR schedule, metric averaging) work.
 Data: an ``(x, y)`` pair of arrays or a callable returning one.
+
+The torch-side keys map onto Keras' own means:
+
+* ``trainer.precision``: ``bf16`` / ``16`` set the ``mixed_bfloat16`` /
+  ``mixed_float16`` dtype policy on every layer for the duration of the call
+  (variables stay float32, as with torch autocast); with ``16`` the optimizer is a
+  ``LossScaleOptimizer`` inside the ``DistributedOptimizer``, so the inf check sees
+  the averaged gradients and every rank skips the same steps.
+* ``trainer.gradient_clip_val``: the optimizer's ``global_clipnorm`` (algorithm
+  ``norm``, the torch meaning) or ``clipvalue`` (``value``), applied by Keras to the
+  averaged, unscaled gradients.
+* ``validate`` / ``test``: ``model.evaluate`` on this rank's strided shard; each
+  metric is weighted by the shard's size and averaged over ranks (exact for means
+  such as loss and accuracy). ``predict``: ``model.predict`` of this rank's shard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Dict
 
 import numpy as np
 
 from bpstrain.config import ConfigError
 from bpstrain.trainer._dispatch import fire
+from bpstrain.trainer.callbacks.metrics import average_sums
 from bpstrain.trainer.history import History
+
+_POLICIES = {"bf16": "mixed_bfloat16", "16": "mixed_float16"}
 
 
 def _arrays(data: Any, what: str):
@@ -36,15 +55,110 @@ def _train_shard(x, y, rank: int, size: int):
     return x[index], y[index]
 
 
-def _compile(model, cfg, size: int) -> None:
+def _layers(model) -> list:
+    """The model and every layer in it, Input layers excepted."""
+    import keras
+
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = list(flatten(include_self=True, recursive=True)) if flatten else [model]
+    return [layer for layer in layers if not isinstance(layer, keras.layers.InputLayer)]
+
+
+def _reset_functions(model) -> None:
+    """Forgets the traced train/test/predict steps (they baked in the old dtypes)."""
+    for name in ("train_function", "test_function", "predict_function"):
+        if hasattr(model, name):
+            setattr(model, name, None)
+
+
+@contextlib.contextmanager
+def precision_policy(model, precision: str):
+    """``trainer.precision`` for a Keras model: while inside, every layer computes in
+    bfloat16 ("bf16") or float16 ("16") with float32 variables; afterwards each layer
+    has its own policy again."""
+    if precision == "32":
+        yield
+        return
+    import keras
+
+    layers = _layers(model)
+    saved = [layer.dtype_policy for layer in layers]
+    policy = keras.dtype_policies.get(_POLICIES[precision])
+    for layer in layers:
+        layer.dtype_policy = policy
+    _reset_functions(model)
+    try:
+        yield
+    finally:
+        for layer, old in zip(layers, saved):
+            layer.dtype_policy = old
+        _reset_functions(model)
+
+
+def _is_distributed(optimizer) -> bool:
+    from bpstrain.keras._optimizer import _DistributedMixin
+
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return isinstance(optimizer, _DistributedMixin) or isinstance(inner, _DistributedMixin)
+
+
+def _unstepped(optimizer):
+    """A built optimizer that never stepped, rebuilt from its config (nothing is lost).
+
+    Compile builds it, and a model that came through pickle brings it built; wrapping
+    a built one would make DistributedOptimizer warn that its state is not carried
+    over. A stepped one is kept (and still warns).
+    """
+    if getattr(optimizer, "built", False) and int(optimizer.iterations) == 0:
+        return type(optimizer).from_config(optimizer.get_config())
+    return optimizer
+
+
+def _set_clipping(optimizer, value: float, algorithm: str) -> None:
+    """``trainer.gradient_clip_val`` as the optimizer's global_clipnorm or clipvalue."""
+    target = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
+    own = {k: getattr(target, k, None) for k in ("clipnorm", "clipvalue", "global_clipnorm")}
+    own = {k: v for k, v in own.items() if v}
+    key = "clipvalue" if algorithm == "value" else "global_clipnorm"
+    if own and own != {key: float(value)}:  # equal: set by an earlier fit of this Trainer
+        raise ConfigError("trainer.gradient_clip_val is set and the Keras optimizer clips "
+                          f"already ({', '.join(f'{k}={v}' for k, v in own.items())}); keep "
+                          f"one. Received: trainer.gradient_clip_val={value}")
+    # global_clipnorm is torch's clip_grad_norm_ (one norm over all gradients); Keras'
+    # clipnorm would clip each variable's gradient on its own.
+    setattr(target, key, float(value))
+
+
+def _compile(model, cfg, size: int, training: bool = True) -> None:
+    """(Re-)compiles ``model`` for this job: its optimizer gets the config's clipping,
+    loss scaling under a mixed_float16 policy, and DistributedOptimizer on several ranks.
+
+    Args:
+        training: False for validate/test/predict: only an uncompiled model is compiled
+            (from the config), nothing is wrapped.
+    """
     import keras
 
     from bpstrain.keras import DistributedOptimizer
-    from bpstrain.keras._optimizer import _DistributedMixin
 
+    t = cfg.trainer
+    clip = t.gradient_clip_val if training else None
+    fp16 = training and model.dtype_policy.name == "mixed_float16"
     compiled = getattr(model, "compiled", False)
-    if compiled and (size == 1 or isinstance(model.optimizer, _DistributedMixin)):
-        return  # alone, or the user already wrapped the optimizer
+    if compiled and not training:
+        return
+    if compiled and _is_distributed(model.optimizer):  # the user wrapped it already
+        if clip is not None or (fp16 and not isinstance(
+                model.optimizer, keras.optimizers.LossScaleOptimizer)):
+            raise ConfigError("The Keras model's optimizer is wrapped in DistributedOptimizer "
+                              "already, so trainer.gradient_clip_val and trainer.precision=16 "
+                              "cannot go inside the gradient averaging; compile with the plain "
+                              "optimizer (the Trainer wraps it). Received: "
+                              f"trainer.gradient_clip_val={clip!r}, "
+                              f"trainer.precision={t.precision!r}")
+        return
+    if compiled and size == 1 and clip is None and not fp16:
+        return  # alone, nothing to add
     if compiled:
         args = dict(model._compile_config.config)  # the user's own compile() arguments
         optimizer = args["optimizer"]
@@ -64,28 +178,32 @@ def _compile(model, cfg, size: int) -> None:
         losses = {"cross_entropy": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   "mse": "mse", "l1": "mae", "bce_with_logits":
                   keras.losses.BinaryCrossentropy(from_logits=True)}
-        if cfg.trainer.loss not in losses:
-            raise ConfigError(f"trainer.loss={cfg.trainer.loss!r} has no Keras counterpart; "
+        if t.loss not in losses:
+            raise ConfigError(f"trainer.loss={t.loss!r} has no Keras counterpart; "
                               "compile the model yourself. Received: "
-                              f"trainer.loss={cfg.trainer.loss!r}")
-        classify = cfg.trainer.loss in ("cross_entropy", "bce_with_logits")
-        args = {"loss": losses[cfg.trainer.loss], "metrics": ["accuracy"] if classify else None}
-    if size > 1:
-        if getattr(optimizer, "built", False) and int(optimizer.iterations) == 0:
-            # Built (compile() built it, or the model came through pickle) but never
-            # stepped: nothing is lost by starting from its config, so DistributedOptimizer's
-            # "state is not carried over" warning would be noise. A stepped one still warns.
-            optimizer = type(optimizer).from_config(optimizer.get_config())
-        optimizer = DistributedOptimizer(optimizer)
+                              f"trainer.loss={t.loss!r}")
+        classify = t.loss in ("cross_entropy", "bce_with_logits")
+        args = {"loss": losses[t.loss], "metrics": ["accuracy"] if classify else None}
+    if training:
+        optimizer = _unstepped(optimizer)
+        if clip is not None:
+            _set_clipping(optimizer, clip, t.gradient_clip_algorithm)
+        if fp16 and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            # Inside the averaging: the inf check sees the averaged gradients, so every
+            # rank skips the same steps (Keras' own wrapping would go outside).
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        if size > 1:
+            optimizer = DistributedOptimizer(optimizer)
     model.compile(**{**args, "optimizer": optimizer})
 
 
-def _bridge(trainer, model, samples: int, size: int):
+def _bridge(trainer, model, samples: int, size: int, val_samples: int = 0):
     """A keras Callback that forwards Keras' hooks to the Trainer's callbacks.
 
     Args:
         samples: Training samples of this rank per epoch.
         size: Batch size.
+        val_samples: Validation samples of this rank.
     """
     import keras
 
@@ -124,6 +242,12 @@ def _bridge(trainer, model, samples: int, size: int):
 
         def on_epoch_end(self, epoch, logs=None):
             trainer.logs.update({k: float(v) for k, v in (logs or {}).items()})
+            # MetricAveraging weighs each rank's value by its sample count, as for torch:
+            # training shards are padded to one size, validation shards may differ by one.
+            trainer.train_sums = {
+                k: (v * (val_samples if k.startswith("val_") else 1),
+                    val_samples if k.startswith("val_") else 1)
+                for k, v in trainer.logs.items() if isinstance(v, (int, float))}
             fire(callbacks, "train_epoch_end", trainer, model, epoch=epoch, logs=trainer.logs)
             trainer.history.append({"epoch": epoch, **trainer.logs})
             trainer.epochs_completed += 1
@@ -144,13 +268,6 @@ def fit_keras(trainer, model, data: Any, val_data: Any) -> History:
     from bpstrain.keras import BytePSCallback
 
     cfg = trainer.config
-    t = cfg.trainer
-    if str(t.precision) != "32" or t.gradient_clip_val is not None:
-        raise ConfigError("trainer.precision and trainer.gradient_clip_val apply to torch "
-                          "modules; for a Keras model use keras.mixed_precision.set_global_policy"
-                          "('mixed_bfloat16') and the optimizer's clipnorm/clipvalue. Received: "
-                          f"trainer.precision={t.precision!r}, "
-                          f"trainer.gradient_clip_val={t.gradient_clip_val!r}")
     if cfg.trainer.resume:
         raise ConfigError("trainer.resume is supported for torch modules only; restore Keras "
                           "weights with model.load_weights(). "
@@ -165,11 +282,65 @@ def fit_keras(trainer, model, data: Any, val_data: Any) -> History:
         validation = (vx[trainer.rank::trainer.size], vy[trainer.rank::trainer.size])
     trainer.module = model
     trainer.num_training_batches = math.ceil(len(x) / batch)
-    _compile(model, cfg, trainer.size)
-    # Our MetricAveraging averages the logs (so torch and Keras behave the same).
-    keras_callbacks = [BytePSCallback(average_metrics=False),
-                       _bridge(trainer, model, len(x), batch)]
-    model.fit(x, y, batch_size=batch, epochs=trainer.max_epochs, validation_data=validation,
-              validation_freq=max(int(cfg.trainer.val_every), 1), shuffle=bool(cfg.data.shuffle),
-              callbacks=keras_callbacks, verbose=0)
+    with precision_policy(model, str(cfg.trainer.precision)):
+        _compile(model, cfg, trainer.size)
+        # Our MetricAveraging averages the logs (so torch and Keras behave the same).
+        keras_callbacks = [BytePSCallback(average_metrics=False),
+                           _bridge(trainer, model, len(x), batch,
+                                   len(validation[0]) if validation is not None else 0)]
+        model.fit(x, y, batch_size=batch, epochs=trainer.max_epochs,
+                  validation_data=validation, validation_freq=max(int(cfg.trainer.val_every), 1),
+                  shuffle=bool(cfg.data.shuffle), callbacks=keras_callbacks, verbose=0)
     return trainer.history
+
+
+# ------------------------------------------------------------------------ evaluation
+
+def _evaluation_setup(trainer, model) -> None:
+    """Compiles an uncompiled model from the config and gives every rank rank 0's weights."""
+    from bpstrain.keras.callbacks import _model_is_built, broadcast_variables
+
+    trainer.module = model
+    _compile(model, trainer.config, trainer.size, training=False)
+    if trainer.size > 1 and _model_is_built(model):
+        broadcast_variables(model.variables, 0, "trainer.evaluate.weights")
+
+
+def evaluate_keras(trainer, model, data: Any, stage: str) -> Dict[str, float]:
+    """``val_*`` (stage "validate") or ``test_*`` metrics: ``model.evaluate`` on this
+    rank's strided shard, each metric weighted by the shard's size and averaged over ranks.
+    """
+    if data is None:
+        raise ValueError(f"{stage}() needs data. Received: data=None")
+    x, y = _arrays(data, "data")
+    _evaluation_setup(trainer, model)
+    xs, ys = x[trainer.rank::trainer.size], y[trainer.rank::trainer.size]
+    count = len(xs)
+    if count == 0:  # evaluate one sample anyway (same metric names on every rank), weight 0
+        xs, ys = x[:1], y[:1]
+    with precision_policy(model, str(trainer.config.trainer.precision)):
+        logs = model.evaluate(xs, ys, batch_size=int(trainer.config.trainer.batch_size),
+                              verbose=0, return_dict=True)
+    prefix = "val_" if stage == "validate" else "test_"
+    sums = {prefix + k: (float(v) * count, float(count)) for k, v in logs.items()
+            if np.ndim(v) == 0}
+    trainer.logs = {}
+    average_sums(trainer, sums, prefix.rstrip("_"))
+    return {k: trainer.logs[k] for k in sums}
+
+
+def predict_keras(trainer, model, data: Any) -> np.ndarray:
+    """``model.predict`` of this rank's strided shard of the inputs (all of them in one
+    process); ``data`` is an array of inputs, an ``(x, y)`` pair or a callable."""
+    if callable(data):
+        data = data()
+    if data is None:
+        raise ValueError("predict() needs data. Received: data=None")
+    x = np.asarray(data[0] if isinstance(data, (tuple, list)) and len(data) == 2 else data)
+    _evaluation_setup(trainer, model)
+    xs = x[trainer.rank::trainer.size]
+    with precision_policy(model, str(trainer.config.trainer.precision)):
+        batch = int(trainer.config.trainer.batch_size)
+        if len(xs) == 0:
+            return model.predict(x[:1], batch_size=batch, verbose=0)[:0]
+        return model.predict(xs, batch_size=batch, verbose=0)

@@ -275,17 +275,21 @@ class Trainer:
         Evaluation averages no gradients, so outside a launched job it runs here, in
         this process, on all of ``data`` (a notebook needs no cluster for it).
         """
-        if is_keras_model(model):
-            raise TypeError(f"Trainer.{what} supports torch modules; for a Keras model call "
-                            f"model.evaluate() / model.predict(). Received: {type(model).__name__}")
         self._check_device(model)
-        from bpstrain.trainer import _evaluate
         from bpstrain.trainer.callbacks.progress import TqdmSink
 
         joined = launch_mode(self.config) == "rank"
         sink = TqdmSink()
         self._open(sink)
         try:
+            if is_keras_model(model):
+                from bpstrain.trainer import _keras
+
+                if what == "predict":
+                    return _keras.predict_keras(self, model, data)
+                return _keras.evaluate_keras(self, model, data, what)
+            from bpstrain.trainer import _evaluate
+
             return getattr(_evaluate, f"{what}_torch")(self, model, data)
         except BaseException as exc:
             fire(self.callbacks, "exception", self, model, exception=exc)
@@ -298,7 +302,8 @@ class Trainer:
         """Validation metrics of ``model`` on ``data`` (Lightning's ``trainer.validate``).
 
         Args:
-            model: A ``torch.nn.Module`` (``validation_step``, else ``trainer.loss``).
+            model: A ``torch.nn.Module`` (``validation_step``, else ``trainer.loss``) or
+                a Keras model (``model.evaluate``; compiled from the config if it is not).
             data: Any form ``fit`` accepts.
 
         Returns:
@@ -308,7 +313,8 @@ class Trainer:
         return self._evaluate("validate", model, data)
 
     def test(self, model: Any, data: Any) -> Dict[str, float]:
-        """Test metrics (``test_step``, else ``validation_step``, else ``trainer.loss``).
+        """Test metrics (``test_step``, else ``validation_step``, else ``trainer.loss``;
+        Keras: ``model.evaluate``).
 
         Returns:
             ``{"test_loss": ..., "test_accuracy": ...}`` over all of ``data``.
@@ -322,6 +328,7 @@ class Trainer:
         ``model(x)`` for the first element of each batch. ``data`` may also be one
         array of inputs. In a launched job each rank returns its strided shard's
         outputs (sample i goes to rank i % size); elsewhere the outputs are in order.
+        A Keras model returns ``model.predict``'s one array instead.
         """
         return self._evaluate("predict", model, data)
 

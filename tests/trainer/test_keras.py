@@ -46,18 +46,3 @@ def test_uncompiled_keras_model_is_compiled_from_config(tmp_path):
     assert "accuracy" in history.last and model.compiled
     with pytest.raises(TypeError, match="Received: str"):
         Trainer(base_config(tmp_path)).fit(model, "x")
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("key,value", [("trainer.precision", "bf16"),
-                                       ("trainer.gradient_clip_val", 1.0)])
-def test_torch_only_keys_are_refused_for_keras_models(tmp_path, key, value):
-    from bpstrain.config import ConfigError
-    from bpstrain.trainer import Trainer
-
-    x, y = blobs(64)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
-    with pytest.raises(ConfigError, match="keras.mixed_precision"):
-        Trainer(base_config(tmp_path, **{key: value})).fit(model, (x, y))
-    with pytest.raises(TypeError, match="model.evaluate"):
-        Trainer(base_config(tmp_path)).validate(model, (x, y))

@@ -42,3 +42,27 @@ def test_fit_runs_as_one_rank_of_a_launched_job(tmp_path):
         assert r["validated"]["val_loss"] == pytest.approx(r["full_loss"], rel=1e-5)
         assert r["tested"]["test_loss"] == pytest.approx(r["full_loss"], rel=1e-5)
     assert sorted(r["predicted"] for r in results) == [127, 128]  # each rank its own shard
+
+
+@pytest.mark.timeout(240)
+def test_keras_precision_clipping_and_evaluation_in_a_launched_job(tmp_path):
+    pytest.importorskip("keras")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bpstrain.launch", "--workers", "2", "--servers", "1", "--",
+         sys.executable, str(ROOT / "tests" / "trainer" / "scripts" / "keras_in_job.py"),
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=230, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
+               if "RESULT " in line]
+    assert sorted(r["rank"] for r in results) == [0, 1] and {r["size"] for r in results} == {2}
+    # The loss scale's inf check sits inside the averaging: both ranks took the same steps.
+    assert all(r["loss_scaled_inside"] and r["clip"] == 1.0 for r in results)
+    assert results[0]["weights"] == results[1]["weights"]
+    assert results[0]["last"]["val_accuracy"] > 0.8
+    for r in results:
+        assert r["validated"] == results[0]["validated"]
+        assert r["validated"]["val_loss"] == pytest.approx(r["full"]["loss"], rel=1e-5)
+        assert r["tested"]["test_accuracy"] == pytest.approx(r["full"]["accuracy"], rel=1e-6)
+    assert sorted(r["predicted"] for r in results) == [127, 128]  # each rank its own shard
