@@ -236,6 +236,11 @@ def _bridge(trainer, model, samples: int, size: int, val_samples: int = 0):
             fire(callbacks, "validation_start", trainer, model, logs=trainer.logs)
             fire(callbacks, "validation_epoch_start", trainer, model)
 
+        def on_test_batch_end(self, batch, logs=None):
+            logs = {k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0}
+            fire(callbacks, "validation_batch_end", trainer, model, outputs=logs, batch=None,
+                 batch_idx=batch)
+
         def on_test_end(self, logs=None):
             fire(callbacks, "validation_epoch_end", trainer, model)
             fire(callbacks, "validation_end", trainer, model, logs=trainer.logs)
@@ -282,6 +287,7 @@ def fit_keras(trainer, model, data: Any, val_data: Any) -> History:
         validation = (vx[trainer.rank::trainer.size], vy[trainer.rank::trainer.size])
     trainer.module = model
     trainer.num_training_batches = math.ceil(len(x) / batch)
+    trainer.num_val_batches = math.ceil(len(validation[0]) / batch) if validation else 0
     with precision_policy(model, str(cfg.trainer.precision)):
         _compile(model, cfg, trainer.size)
         # Our MetricAveraging averages the logs (so torch and Keras behave the same).

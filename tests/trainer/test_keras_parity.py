@@ -118,3 +118,21 @@ def test_an_uncompiled_model_is_compiled_from_the_config_for_evaluation(tmp_path
     x, y = blobs(64)
     metrics = Trainer(base_config(tmp_path)).validate(_model(), (x, y))
     assert set(metrics) == {"val_loss", "val_accuracy"}
+
+
+@pytest.mark.timeout(60)
+def test_keras_fit_shows_a_validation_bar(tmp_path, monkeypatch):
+    import bpstrain.trainer.callbacks.progress as progress
+    from bpstrain.trainer import Trainer
+    from tests.trainer.test_parity import FakeSink
+
+    sink = FakeSink()
+    monkeypatch.setattr(progress, "TqdmSink", lambda: sink)
+    x, y = blobs(128)
+    cfg = base_config(tmp_path, **{"trainer.progress": True, "trainer.epochs": 1,
+                                   "trainer.batch_size": 16})
+    Trainer(cfg).fit(_model(keras.optimizers.Adam(0.01)), (x, y), val_data=(x[:48], y[:48]))
+    starts = [c for c in sink.calls if c[0] == "start"]
+    assert starts == [("start", "train", 8, True, "epoch 1/1"),
+                      ("start", "val", 3, False, "validation")]
+    assert ("update", "val", 3) in sink.calls and ("close", "val") in sink.calls
