@@ -6,7 +6,7 @@ import torch
 
 from bpstrain.config import ConfigError
 from bpstrain.launch import free_port
-from bpstrain.trainer import Trainer
+from bpstrain.trainer import Callback, Trainer
 from bpstrain.trainer.callbacks import read_checkpoint
 from tests.trainer.helpers import StepModule, base_config, blobs
 
@@ -68,6 +68,22 @@ def test_each_optimizer_has_its_own_schedulers(tmp_path):
     assert history["lr"] == pytest.approx([0.1, 0.05])  # StepLR per epoch, optimizer 0
     assert history["lr_1"] == pytest.approx([0.1 / 5, 0.1 / 9])  # per step, optimizer 1
     assert [s.scheduler.optimizer for s in trainer.lr_schedulers] == trainer.optimizers
+
+
+@pytest.mark.timeout(60)
+def test_the_configs_warm_up_drives_every_optimizer(tmp_path):
+    class Rates(Callback):
+        def __init__(self):
+            self.rates = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.rates.append([o.param_groups[0]["lr"] for o in trainer.optimizers])
+
+    rates, x, y = Rates(), *blobs(128)
+    cfg = base_config(tmp_path, **{"trainer.epochs": 2, "optimizer.warmup_epochs": 1})
+    Trainer(cfg, callbacks=[rates]).fit(TwoParts("list"), (x, y))  # 4 batches per epoch
+    assert rates.rates[0] == pytest.approx([0.025, 0.025])  # a quarter through the warm-up
+    assert rates.rates[-1] == pytest.approx([0.1, 0.1])
 
 
 @pytest.mark.timeout(90)
