@@ -82,7 +82,7 @@ def _style(cls: type, hook: str) -> Optional[str]:
 def _lightning_args(event: str, trainer, module, ctx: Dict[str, Any]) -> tuple:
     if event == "train_batch_start":
         return (trainer, module, ctx["batch"], ctx["batch_idx"])
-    if event in ("train_batch_end", "validation_batch_end"):
+    if event in ("train_batch_end", "validation_batch_end", "test_batch_end"):
         return (trainer, module, ctx["outputs"], ctx["batch"], ctx["batch_idx"])
     if event == "before_optimizer_step":
         return (trainer, module, ctx["optimizer"])
@@ -134,7 +134,7 @@ def _keras_args(event: str, ctx: Dict[str, Any]) -> tuple:
 
 
 def fire(callbacks: Sequence[Callback], event: str, trainer=None, module=None,
-         **ctx: Any) -> None:
+         **ctx: Any) -> Any:
     """Calls every callback's hooks for ``event``, then the module's own hook.
 
     Args:

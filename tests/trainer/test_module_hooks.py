@@ -58,8 +58,15 @@ def test_module_hooks_run_after_the_callbacks_in_lightnings_order(tmp_path):
         expected += [f"cb:{hook}", f"mod:{hook}"]
     assert events == expected
 
+    class TestBatches(Callback):
+        def on_test_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            events.append(f"batch:{sorted(outputs)}:{batch_idx}")
+
     events.clear()
     model = module_cls()
+    Trainer(base_config(tmp_path), callbacks=[TestBatches()]).test(model, (x[:16], y[:16]))
+    assert [e for e in events if e.startswith("batch:")] == ["batch:['acc', 'loss']:0"]
+    events.clear()
     trainer.test(model, (x, y))
     trainer.predict(model, x)
     assert events == [f"{who}:{hook}" for hook in ("test_start", "test_epoch_start",
