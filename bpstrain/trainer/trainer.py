@@ -97,8 +97,8 @@ class Trainer:
 
     Attributes (read by callbacks):
         config, callbacks, comm, rank, size, local_rank, is_global_zero, module,
-        optimizer (the first of ``optimizers``), optimizers, lr_schedulers, precision_plugin, current_epoch, global_step,
-        epochs_completed, max_epochs, num_training_batches, num_val_batches, logs,
+        optimizer (the first of ``optimizers``), optimizers, lr_schedulers,
+        precision_plugin, current_epoch, global_step, epochs_completed, max_epochs, num_training_batches, num_val_batches, logs,
         train_sums, val_sums, history, should_stop, resumed, out_dir, run_name, run_dir,
         loggers, last_grad_norm, progress_sink.
     """
