@@ -177,13 +177,13 @@ void LocalGroup::Ring() {
   FutexWakeAll(bell_);
 }
 
-void LocalGroup::Submit(int64_t handle, const OpRequest& req) {
+void LocalGroup::Submit(int64_t handle, const OpRequest& req, uint64_t ticket) {
   auto op = std::make_unique<PendingOp>();
   op->handle = handle;
   op->req = req;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    pending_.push_back(std::move(op));
+    pending_[ticket] = std::move(op);
   }
   Ring();
 }
@@ -224,7 +224,10 @@ void LocalGroup::Loop() {
     uint32_t seen = bell_->load(std::memory_order_acquire);
     {
       std::lock_guard<std::mutex> lk(mu_);
-      active.splice(active.end(), pending_);
+      // Rounds are handed out below in list order: admit only the next tickets in order.
+      for (auto it = pending_.begin(); it != pending_.end() && it->first == next_ticket_;
+           it = pending_.erase(it), ++next_ticket_)
+        active.push_back(std::move(it->second));
     }
     bool progress = false;
     for (auto it = active.begin(); it != active.end();) {

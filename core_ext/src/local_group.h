@@ -47,8 +47,11 @@ class LocalGroup {
 
   LocalGroup(const Layout& layout, Hooks hooks, std::vector<int> cpus);
   ~LocalGroup();
-  // Thread-safe. `req.op` is kSum or kAverage.
-  void Submit(int64_t handle, const OpRequest& req);
+  // Thread-safe. `req.op` is kSum or kAverage. `ticket` numbers the submissions 0, 1, 2,
+  // ... in the order the caller decided them (under its own lock): ops are taken in
+  // ticket order whatever order the Submit calls race in, so the k-th op on a name gets
+  // the k-th round on every rank.
+  void Submit(int64_t handle, const OpRequest& req, uint64_t ticket);
   void Stop();
 
  private:
@@ -64,7 +67,8 @@ class LocalGroup {
   Hooks hooks_;
   std::vector<int> cpus_;
   std::mutex mu_;
-  std::list<std::unique_ptr<PendingOp>> pending_;
+  std::map<uint64_t, std::unique_ptr<PendingOp>> pending_;  // by ticket
+  uint64_t next_ticket_ = 0;                                // guarded by mu_
   std::map<std::string, std::unique_ptr<Segment>> segments_;  // each name's current segment
   // Segments of names declared again with another size or dtype, kept mapped until the
   // ops that still use them finish (only the local-group thread touches these).

@@ -206,6 +206,7 @@ int64_t Worker::Enqueue(const OpRequest& req) {
     // shape or dtype that differs on any rank of any host fails on every rank (and the
     // job goes on) instead of only on the ranks of one host that notice it.
     std::shared_ptr<OpHandle> h;
+    uint64_t ticket;
     {
       std::lock_guard<std::mutex> lk(mu_);
       auto t = DeclareLocked(req, 0);
@@ -219,8 +220,9 @@ int64_t Worker::Enqueue(const OpRequest& req) {
         t->waiting.push_back(h);
         return h->id;
       }
+      ticket = next_group_ticket_++;
     }
-    group_->Submit(h->id, req);
+    group_->Submit(h->id, req, ticket);
     return h->id;
   }
   std::lock_guard<std::mutex> lk(mu_);
@@ -275,9 +277,10 @@ void Worker::OnControl(const FrameHeader& h, const std::string& meta) {
 }
 
 void Worker::OnDeclareReply(const std::string& meta) {
-  // Local-group ops are submitted after mu_ is released: the group's thread calls back
-  // into Enqueue, which takes mu_.
-  std::vector<std::shared_ptr<OpHandle>> to_group;
+  // Local-group ops are submitted after mu_ is released (the group's thread calls back
+  // into Enqueue, which takes mu_), with tickets taken under it: the group keeps their
+  // order against ops that Enqueue submits meanwhile.
+  std::vector<std::pair<std::shared_ptr<OpHandle>, uint64_t>> to_group;  // with its ticket
   {
     std::lock_guard<std::mutex> lk(mu_);
     std::string error;
@@ -286,12 +289,12 @@ void Worker::OnDeclareReply(const std::string& meta) {
     for (auto& h : t->waiting) {
       if (h->done) continue;  // failed meanwhile (shutdown, a dead peer)
       if (!error.empty()) FailHandleLocked(h, kind, error);
-      else if (h->local_group) to_group.push_back(h);
+      else if (h->local_group) to_group.emplace_back(h, next_group_ticket_++);
       else ScheduleLocked(h, *t);
     }
     t->waiting.clear();
   }
-  for (auto& h : to_group) group_->Submit(h->id, h->req);
+  for (auto& [h, ticket] : to_group) group_->Submit(h->id, h->req, ticket);
 }
 
 void Worker::StartLocalGroup(uint64_t job_id) {

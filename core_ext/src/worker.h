@@ -185,6 +185,7 @@ class Worker {
   int64_t next_handle_ = 1;
   WorkerStats stats_;
   std::unique_ptr<LocalGroup> group_;  // hierarchical mode only
+  uint64_t next_group_ticket_ = 0;     // the order of group_->Submit (LocalGroup::Submit)
   bool trace_ = false;
   std::vector<TraceRecord> trace_records_;
 };

@@ -55,3 +55,29 @@ def test_each_rank_pushes_only_its_slice_and_rounds_in_any_order():
         # 12 ops of n floats; each rank pushes half of each (its slice), not all of it.
         assert stats["bytes_pushed"] == 12 * n * 4 // 2
     assert not glob.glob("/dev/shm/bps*"), "shared segments must not outlive the job"
+
+
+def test_many_rounds_of_one_new_name_in_flight_keep_their_order():
+    """The k-th op on a name gets the k-th round on every rank, also while its declaration
+    is in flight: ops queued before the reply and ops enqueued as it lands must not swap
+    (a swap gave one rank's op k the result of op k+1)."""
+    n, ops = 64, 40
+    with InProcessCluster(2, 1, local_size=2, hierarchical=True) as c:
+        def job(rank, w):
+            from tests.engine.harness import wait
+            results = []
+            for trial in range(5):  # each trial a new name: its declaration races the ops
+                keep = []
+                for k in range(ops):
+                    x = np.full(n, 1000 * k + rank, np.float32)
+                    out = np.empty_like(x)
+                    keep.append((k, x, out, w.enqueue(f"fresh{trial}", "float32", [n], x, out, 0, 0, 0)))
+                for k, _, out, h in keep:
+                    wait(w, h)
+                    results.append((k, out.copy()))
+            return results
+
+        res = c.run_all(job)
+    for results in res:
+        for k, out in results:
+            assert np.all(out == 2000 * k + 1), (k, out[:2])
