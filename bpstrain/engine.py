@@ -124,6 +124,7 @@ def init(config: Any = None) -> None:
         state = _State(env, resolve_options(config, env))
         if env.distributed:
             _connect(state)
+            _watch_uncaught_exceptions()
         _state = state
 
 
@@ -162,14 +163,45 @@ def _connect(state: _State) -> None:
 
 def shutdown() -> None:
     """Leaves the job (idempotent); :func:`init` may be called again afterwards."""
+    _leave("")
+
+
+def _leave(reason: str) -> None:
     global _state
     with _lock:
         state, _state = _state, None
     if state is not None and state.worker is not None:
-        state.worker.shutdown()
+        state.worker.shutdown(reason)
 
 
-atexit.register(shutdown)
+# Why this process is exiting, when an uncaught exception ends it (set by the hook below).
+_exit_reason = ""
+
+
+def _watch_uncaught_exceptions() -> None:
+    """Chains ``sys.excepthook`` once, so that a worker killed by an exception tells the job.
+
+    Its goodbye then carries the exception, and every other rank raises ``PeerError``
+    naming this rank and the exception at once, instead of waiting for its part of the
+    next operation until ``op_timeout`` (a clean exit still leaves quietly).
+    """
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "_bpstrain_hook", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        global _exit_reason
+        if not _exit_reason:
+            _exit_reason = f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__
+        previous(exc_type, exc, tb)
+
+    hook._bpstrain_hook = True
+    sys.excepthook = hook
+
+
+atexit.register(lambda: _leave(_exit_reason))
 
 
 def is_initialized() -> bool:

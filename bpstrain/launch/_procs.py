@@ -318,7 +318,8 @@ def terminate_raises() -> Iterator[None]:
 
 
 def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue.Queue,
-              grace: float = DEFAULT_GRACE, service_timeout: float = 30.0) -> int:
+              grace: float = DEFAULT_GRACE, service_timeout: float = 30.0,
+              services_exit: bool = True) -> int:
     """Waits for a job to finish and tears it down; the launcher's main loop.
 
     The job fails as soon as any child exits non-zero: everything is stopped and
@@ -333,6 +334,8 @@ def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue
         events: Queue that receives each child (from ``on_exit``) as it exits.
         grace: SIGTERM-to-SIGKILL delay for teardown.
         service_timeout: How long services may outlive the workers.
+        services_exit: False for services that serve job after job (they never exit on
+            their own): they are stopped as soon as every worker has exited 0.
 
     Returns:
         The exit status for the launcher.
@@ -362,6 +365,8 @@ def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue
                     stop_children(everyone, grace)
                     return code
                 pending.discard(id(child))
+                if not pending and not services_exit:
+                    break
                 if not pending and deadline is None:
                     deadline = time.monotonic() + service_timeout
     except (KeyboardInterrupt, LaunchInterrupted) as exc:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Mapping, Sequence, TextIO
 
 from bpstrain.errors import ConfigError, PeerError
+from bpstrain.roles import SERVE_NEXT_JOB_VAR
 from bpstrain.launch._procs import (DEFAULT_GRACE, Child, exit_code, log, stop_children,
                                     supervise)
 
@@ -113,6 +114,11 @@ class LocalServices:
         output: Stream for the prefixed service output; ``None`` = ``sys.stdout``.
         grace: Seconds between SIGTERM and SIGKILL in :meth:`stop`.
         on_exit: Called (from a thread) with each service :class:`Child` as it exits.
+        serve_next_job: The services start afresh each time the job's workers have all
+            shut down, so a worker that calls ``init()`` again after ``shutdown()``
+            joins a new job; they then never exit on their own (:meth:`wait` does not
+            return True) and the owner stops them once its workers have exited (what
+            the launcher does).
 
     Attributes:
         role_cmd: Command that runs a role given ``DMLC_ROLE`` in its environment.
@@ -124,7 +130,8 @@ class LocalServices:
     def __init__(self, workers: int, servers: int = 1, local_size: int | None = None,
                  host: str = "127.0.0.1", port: int | None = None,
                  env: Mapping[str, str] | None = None, output: TextIO | None = None,
-                 grace: float = DEFAULT_GRACE, on_exit=None, mixed: bool | None = None):
+                 grace: float = DEFAULT_GRACE, on_exit=None, mixed: bool | None = None,
+                 serve_next_job: bool = False):
         self.local_size = check_layout(workers, servers, local_size, 0 if mixed else 1)
         self.workers, self.servers, self.host = workers, servers, host
         self.hosts = workers // self.local_size
@@ -141,6 +148,7 @@ class LocalServices:
         # read the job (see the README's threat model).
         if not self._env.get("BPSTRAIN_SECRET"):
             self._env["BPSTRAIN_SECRET"] = secrets.token_hex(32)
+        self.serve_next_job = serve_next_job
         self._output, self._on_exit = output, on_exit
 
     def _common_env(self, role: str) -> dict[str, str]:
@@ -174,6 +182,8 @@ class LocalServices:
 
     def _role_env(self, role: str) -> dict[str, str]:
         env = self._common_env(role)
+        if self.serve_next_job:
+            env[SERVE_NEXT_JOB_VAR] = "1"
         # Role processes must import the same bpstrain as we do, even when it is
         # only on our sys.path (e.g. a notebook next to a source checkout). An
         # installed copy is found anyway; putting site-packages first would let
@@ -272,8 +282,11 @@ class LocalJob:
             raise ConfigError("cmd must name the worker command. Received: cmd=[]")
         self.cmd = list(cmd)
         self._events: queue.Queue = queue.Queue()
+        # The launcher's roles serve job after job: a worker may init() again after
+        # shutdown() (as with Horovod); supervise() stops them when the workers are done.
         self.services = LocalServices(workers, servers, local_size, host, port, env,
-                                      output, grace, on_exit=self._events.put, mixed=mixed)
+                                      output, grace, on_exit=self._events.put, mixed=mixed,
+                                      serve_next_job=True)
         self.workers: list[Child] = []
         self._output, self.grace, self.service_timeout = output, grace, service_timeout
 
@@ -294,7 +307,7 @@ class LocalJob:
             raise
         try:
             return supervise(self.workers, self.services.children, self._events,
-                             self.grace, self.service_timeout)
+                             self.grace, self.service_timeout, services_exit=False)
         finally:
             self.services.stop()
 

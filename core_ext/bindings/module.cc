@@ -515,5 +515,7 @@ PYBIND11_MODULE(_core, m) {
              return out;
            },
            "Returns and forgets the trace records collected so far.")
-      .def("shutdown", &Worker::Shutdown, py::call_guard<py::gil_scoped_release>());
+      .def("shutdown", &Worker::Shutdown, py::arg("reason") = "", py::call_guard<py::gil_scoped_release>(),
+           "Leaves the job; a non-empty `reason` (why this process stops) fails the job for\n"
+           "every other node at once, naming this worker and the reason.");
 }

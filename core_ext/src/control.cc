@@ -2,7 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <thread>
 
 #include "secure_link.h"
 
@@ -16,11 +19,11 @@ const char* RoleName(Role r) {
   }
 }
 
-Welcome ControlClient::Connect(Transport& transport, const std::string& endpoint, const NodeInfo& me,
-                               double timeout_s, Handler on_frame, LostHandler on_lost,
-                               const std::atomic<bool>* cancel) {
-  auto start = Clock::now();
-  conn_ = ConnectSecure(transport, endpoint, ClusterKey(me.secret), RoleName(me.role), timeout_s, cancel);
+bool ControlClient::Hello(Transport& transport, const std::string& endpoint, const NodeInfo& me,
+                          Clock::time_point start, double timeout_s, const std::atomic<bool>* cancel,
+                          FrameHeader* r, std::string* meta) {
+  const double left = std::max(0.1, timeout_s - SecondsSince(start));
+  conn_ = ConnectSecure(transport, endpoint, ClusterKey(me.secret), RoleName(me.role), left, cancel);
   conn_->set_peer("scheduler " + endpoint);
   char hostname[256] = {0};
   gethostname(hostname, sizeof hostname - 1);
@@ -34,11 +37,9 @@ Welcome ControlClient::Connect(Transport& transport, const std::string& endpoint
 
   // Wait for kWelcome in short slices so `cancel` (Ctrl-C, shutdown) is honoured.
   conn_->SetRecvTimeout(0.2);
-  FrameHeader r;
-  std::string meta;
   for (;;) {
     try {
-      if (!conn_->RecvFrame(&r, &meta, 0))
+      if (!conn_->RecvFrame(r, meta, 0))
         throw Error(Error::kPeer, "the scheduler closed the connection during rendezvous");
       break;
     } catch (const Error& e) {
@@ -51,6 +52,31 @@ Welcome ControlClient::Connect(Transport& transport, const std::string& endpoint
                         "DMLC_NUM_WORKER / DMLC_NUM_SERVER and that every process was started)");
     } catch (const FrameError& e) {
       throw Error(Error::kPeer, std::string("malformed frame from the scheduler: ") + e.what());
+    }
+  }
+  if (r->type != static_cast<uint16_t>(MsgType::kRetryLater)) return true;
+  if (SecondsSince(start) > timeout_s)
+    throw Error(Error::kTimeout, "rendezvous did not complete within " +
+                                     std::to_string(static_cast<int>(timeout_s)) +
+                                     " s: the scheduler still serves the previous job, whose "
+                                     "workers are shutting down");
+  return false;
+}
+
+Welcome ControlClient::Connect(Transport& transport, const std::string& endpoint, const NodeInfo& me,
+                               double timeout_s, Handler on_frame, LostHandler on_lost,
+                               const std::atomic<bool>* cancel) {
+  auto start = Clock::now();
+  FrameHeader r;
+  std::string meta;
+  // A job that is ending (some workers shut down, the rest about to) answers
+  // kRetryLater: a process that called init() again after shutdown() joins the next
+  // generation of the job, which its launcher starts once this one is over.
+  while (!Hello(transport, endpoint, me, start, timeout_s, cancel, &r, &meta)) {
+    conn_.reset();
+    for (int i = 0; i < 5; ++i) {
+      if (cancel && cancel->load()) throw Error(Error::kShutdown, "rendezvous cancelled");
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }
   conn_->SetRecvTimeout(0);

@@ -70,6 +70,9 @@ class ControlClient {
   void Close(double flush_s = 0);
 
  private:
+  // One connection and hello; false when the scheduler answered kRetryLater.
+  bool Hello(Transport& transport, const std::string& endpoint, const NodeInfo& me, Clock::time_point start,
+             double timeout_s, const std::atomic<bool>* cancel, FrameHeader* r, std::string* meta);
   void ReadLoop();
   void HeartbeatLoop();
 

@@ -156,6 +156,14 @@ bool Scheduler::Register(const std::shared_ptr<Node>& node) {
       return false;
     }
   }
+  if (goodbyes_ > 0 || finished_) {
+    // This job is ending; the node belongs to the next one (init() after shutdown(),
+    // or a restarted server): it reconnects until a launcher has started that one.
+    FrameHeader retry;
+    retry.type = static_cast<uint16_t>(MsgType::kRetryLater);
+    node->out->Post(retry, MetaWriter().Str("the job's workers are shutting down").bytes());
+    return false;
+  }
   int have = 0;
   for (auto& n : nodes_) have += n->role == node->role;
   int want = WantLocked(node->role);
@@ -316,9 +324,18 @@ void Scheduler::HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader
       return SendToWorkersLocked(MsgType::kBarrierReply);
     }
     case MsgType::kGoodbye: {
+      // An empty meta (or reason) is a clean shutdown; a reason is the exception that
+      // stopped the worker, and the job cannot go on without it.
+      std::string reason = meta.empty() ? "" : MetaReader(meta).Str();
+      if (reason.size() > kMaxGoodbyeReason) throw FrameError("goodbye with an oversized reason");
       std::lock_guard<std::mutex> lk(mu_);
       if (node->role != Role::kWorker || node->goodbye) return;
       node->goodbye = true;
+      if (!reason.empty()) {
+        for (char& c : reason)
+          if (c == '\n' || c == '\r' || static_cast<unsigned char>(c) < 0x20) c = ' ';  // one log line
+        return FailLocked(node->Describe() + " stopped: " + reason + "; the job cannot continue");
+      }
       if (++goodbyes_ < num_workers_) return;
       FrameHeader r;
       r.type = static_cast<uint16_t>(MsgType::kTerminate);

@@ -18,6 +18,7 @@ constexpr uint32_t kFrameMagic = 0x32535042;  // "BPS2" little-endian (v2: authe
 constexpr uint32_t kMaxMetaLen = 1 << 20;     // 1 MiB of metadata is far beyond any real frame
 constexpr uint64_t kMaxBodyLen = 1ull << 31;  // one partition never exceeds 2 GiB
 constexpr uint64_t kMaxProbeBytes = 4u << 20; // one link-probe frame
+constexpr size_t kMaxGoodbyeReason = 1024;  // bytes of a worker's "why I stopped"
 constexpr int64_t kMaxPartitions = 32768;     // per tensor: its table must fit one frame's metadata
 constexpr double kSendTimeoutS = 60.0;        // a send that makes no progress this long fails
 
@@ -42,6 +43,8 @@ enum class MsgType : uint16_t {
   kAuthChallenge = 18,  // acceptor -> connecting side: nonce, the acceptor's proof
   kAuthProof = 19,    // connecting side -> acceptor: its proof
   kAuthOk = 20,       // acceptor -> connecting side: accepted (the first authenticated frame)
+  kRetryLater = 21,   // scheduler -> node: this job is ending (workers shut down); reconnect
+                      // for the next one (a launcher restarts the roles; see roles.py)
 };
 
 // Flags of kPush frames.

@@ -550,12 +550,13 @@ WorkerStats Worker::stats() {
   return stats_;
 }
 
-void Worker::Shutdown() {
+void Worker::Shutdown(const std::string& reason) {
   if (stopping_.exchange(true)) return;
   if (group_) group_->Stop();
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (ready_ && !failed_) control_.Send(MsgType::kGoodbye);  // queued: Close() flushes it
+    if (ready_ && !failed_)  // queued: Close() flushes it
+      control_.Send(MsgType::kGoodbye, MetaWriter().Str(reason.substr(0, kMaxGoodbyeReason)).bytes());
     for (auto& [id, h] : handles_)
       if (!h->done) FailHandleLocked(h, Error::kShutdown, "the operation was still running when shutdown() was called");
     send_cv_.notify_all();

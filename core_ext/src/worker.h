@@ -131,7 +131,10 @@ class Worker {
   WorkerStats stats();
   void SetTrace(bool on);
   std::vector<TraceRecord> DrainTrace();
-  void Shutdown();
+  // Leaves the job. A non-empty `reason` (the exception that stops this process) fails
+  // the job at once for every other node, naming this worker and the reason, instead of
+  // leaving them to wait for it until their op timeout.
+  void Shutdown(const std::string& reason = "");
 
  private:
   struct DataConn {

@@ -28,6 +28,19 @@ def test_two_workers_one_server_sum_through_the_launcher():
 
 
 @pytest.mark.timeout(120)
+def test_init_again_after_shutdown_in_a_launched_job():
+    """Horovod's init() / shutdown() / init(): the launcher's roles serve the next job."""
+    proc = subprocess.run([*LAUNCH, "--workers", "2", "--servers", "1", "--", *WORKER],
+                          cwd=REPO, env=subprocess_env(E2E_JOBS="3"), capture_output=True,
+                          text=True, timeout=100)
+    assert proc.returncode == 0, proc
+    lines = proc.stdout.splitlines()
+    for rank in (0, 1):
+        for job in (1, 2):
+            assert f"[worker {rank}] job {job}: rank {rank} of 2: sum 3 expected 3" in lines, proc
+
+
+@pytest.mark.timeout(120)
 def test_real_job_with_a_failing_worker_is_torn_down():
     out = io.StringIO()
     job = LocalJob(WORKER, workers=2, servers=1, env=subprocess_env(E2E_FAIL_RANK="1"),
@@ -38,9 +51,10 @@ def test_real_job_with_a_failing_worker_is_torn_down():
     assert not [p for p in pids if alive(p)]
 
 
-def _hand_started_job(worker_env: dict, worker_ids=("0", "1")) -> list[str]:
+def _hand_started_job(worker_env: dict, worker_ids=("0", "1"), codes=None) -> list[str]:
     """Starts scheduler, server and one `DMLC_ROLE=worker` launcher per worker host by
-    hand, as with BytePS, and returns each process's output (all must exit 0)."""
+    hand, as with BytePS, and returns each process's output (all must exit 0, or with
+    ``codes``, one per process)."""
     common = dict(DMLC_NUM_WORKER=str(len(worker_ids)), DMLC_NUM_SERVER="1",
                   DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()))
     procs = []
@@ -62,8 +76,24 @@ def _hand_started_job(worker_env: dict, worker_ids=("0", "1")) -> list[str]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert [p.returncode for p in procs] == [0] * len(procs), outputs
+    assert [p.returncode for p in procs] == (codes or [0] * len(procs)), outputs
     return outputs
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_stopped_by_an_exception_fails_the_others_at_once_naming_it():
+    """Its goodbye carries the exception: no wait for op_timeout, no blame on others."""
+    start = time.monotonic()
+    scheduler, server, rank0, rank1 = _hand_started_job(
+        {"BYTEPS_LOCAL_SIZE": "1", "E2E_RAISE_RANK": "1", "BPSTRAIN_OP_TIMEOUT": "300"},
+        codes=[1, 1, 1, 1])  # the job failed: every process says so
+    assert time.monotonic() - start < 60  # far below the 300 s op timeout
+    assert "ZeroDivisionError: bad batch" in rank1
+    cause = "worker 1 (pid "
+    for out in (scheduler, server, rank0):
+        assert "stopped: ZeroDivisionError: bad batch; the job cannot continue" in out, out
+        assert cause in out and "closed its connection" not in out, out
+    assert "PeerError" in rank0
 
 
 @pytest.mark.timeout(120)
