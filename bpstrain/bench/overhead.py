@@ -9,7 +9,8 @@ the raw ``bpstrain._core`` binding (``worker.enqueue`` + ``worker.wait`` on nump
 arrays), :func:`bpstrain.engine.push_pull` and :func:`bpstrain.torch.push_pull`.
 The paths alternate in blocks of ``--ops`` operations inside the same processes, so
 all three see the same load; the table shows the median over blocks of the slowest
-rank's time per operation, and each path's ratio to the raw binding.
+rank's time per operation, and the median of each path's block-by-block ratio to the
+raw binding.
 """
 
 from __future__ import annotations
@@ -78,14 +79,21 @@ def run(plan: OverheadPlan, log=None) -> list[OverheadRow]:
 
 
 def rows_from(payloads: list[dict]) -> list[OverheadRow]:
-    """Median over blocks of the slowest rank's per-op time, per path (raw first)."""
-    per_path = {}
+    """Per path (raw first): the median over blocks of the slowest rank's per-op time, and
+    the median over blocks of its ratio to the raw block run just before it.
+
+    The ratio is paired block by block: the paths alternate, so a burst of load on the
+    machine lands on neighbouring blocks and cancels in their ratio.
+    """
+    slowest = {}
     for path in PATHS:
         blocks = zip(*[next(r["times"] for r in p["results"] if r["path"] == path)
                        for p in payloads])
-        per_path[path] = statistics.median(max(ranks) for ranks in blocks)
-    raw = per_path[PATHS[0]]
-    return [OverheadRow(path, t, t / raw) for path, t in per_path.items()]
+        slowest[path] = [max(ranks) for ranks in blocks]
+    raw = slowest[PATHS[0]]
+    return [OverheadRow(path, statistics.median(times),
+                        statistics.median(t / r for t, r in zip(times, raw)))
+            for path, times in slowest.items()]
 
 
 def format_rows(rows: list[OverheadRow]) -> str:

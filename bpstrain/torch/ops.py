@@ -36,6 +36,8 @@ _SCALAR = (1,)  # the shape a 0-d tensor is sent with
 # Host array -> result tensor, per engine dtype (torch.from_numpy itself where it can).
 _WRAP = {name: torch.from_numpy for name in engine.DTYPES}
 _WRAP["bfloat16"] = functools.partial(_tensors.from_host, dtype=torch.bfloat16)
+# Dtypes whose tensors are their own numpy view (all but bfloat16): the fast path's table.
+_PLAIN = {dtype: name for dtype, name in _DTYPES.items() if name != "bfloat16"}
 
 
 class _Runtime:
@@ -266,8 +268,17 @@ def push_pull(tensor, average=True, name=None, version=0, priority=0,
     if compression is Compression.none and not (
             getattr(tensor, "requires_grad", False) and torch.is_grad_enabled()):
         # Nothing to differentiate or compress: the thin path, one engine operation.
-        return engine.synchronize(_start(tensor, False, name, Op.AVERAGE if average else Op.SUM,
-                                         priority))
+        op = Op.AVERAGE if average else Op.SUM
+        dtype = _PLAIN.get(getattr(tensor, "dtype", None))
+        if (dtype is not None and name is not None and not tensor.is_cuda and not tensor.requires_grad
+                and tensor.is_contiguous()):
+            # The common small-op case inlined (what _start does for it, minus the checks
+            # it needs): every rank waits for the slowest to enqueue, so each us counts.
+            src = tensor.numpy()
+            return engine.synchronize(engine.submit(name, dtype, src.shape or _SCALAR, src,
+                                                    np.empty_like(src), op, 0, priority,
+                                                    wrap=torch.from_numpy))
+        return engine.synchronize(_start(tensor, False, name, op, priority))
     compressed, ctx = compression.compress(tensor)
     return compression.decompress(_PushPull.apply(compressed, average, name, priority), ctx)
 
