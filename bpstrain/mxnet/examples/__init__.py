@@ -1,0 +1,1 @@
+"""Example scripts (BytePS example/mxnet counterparts); run them with ``python -m``."""
