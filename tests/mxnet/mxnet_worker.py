@@ -24,15 +24,16 @@ DTYPES = ["float16", "float32", "float64", "uint8", "int8", "int32", "int64"]
 
 
 def expect(actual, expected, what):
-    actual = np.asarray(actual.asnumpy() if hasattr(actual, "asnumpy") else actual, np.float64)
-    if not np.array_equal(actual, np.asarray(expected, dtype=np.float64)):
-        raise AssertionError(f"rank {bps.rank()}: {what}: expected {expected}, got {actual}")
+    """Exact comparison of an NDArray (or array) with ``expected``, naming the rank."""
+    values = actual.asnumpy() if isinstance(actual, mx.nd.NDArray) else actual
+    np.testing.assert_array_equal(np.asarray(values, np.float64), np.asarray(expected, np.float64),
+                                  err_msg=f"rank {bps.rank()}: {what}")
 
 
 def check_push_pull_and_broadcast_in_place(r, n):
-    base = np.arange(6, dtype=np.float64).reshape(2, 3)
-    total = n * base + n * (n - 1) / 2  # sum over ranks of base + rank
-    root = min(1, n - 1)
+    base = np.arange(6.0).reshape(2, 3)  # rank r sends base + r
+    total = n * base + sum(range(n))
+    root = n - 1
     for dtype in DTYPES:
         x = mx.nd.array(base + r, dtype=dtype)
         assert bps.push_pull(x, name=f"sum.{dtype}", is_average=False) is x

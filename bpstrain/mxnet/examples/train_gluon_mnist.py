@@ -1,9 +1,9 @@
 """Gluon MNIST training, after BytePS's ``example/mxnet/train_gluon_mnist_byteps.py``.
 
 BytePS's script with ``s/byteps/bpstrain/``; what differs: the code sits in
-``main(argv)``, the model summary uses the training context (BytePS's asked for a GPU
-even with ``--no-cuda``), and the data: MXNet downloads MNIST, which needs the
-internet, so ``--data auto`` (the default) takes MNIST where MXNet already has its
+``main(argv)``, ``--seed`` makes runs repeat, the model summary uses the training
+context (BytePS's asked for a GPU even with ``--no-cuda``), and the data: MXNet
+downloads MNIST, which needs the internet, so ``--data auto`` (the default) takes MNIST where MXNet already has its
 files (``~/.mxnet/datasets/mnist``) and otherwise embedded synthetic digits: 28x28
 images of ten fixed random patterns with noise (``--data synthetic`` forces them).
 
@@ -45,6 +45,8 @@ def parse_args(argv=None):
                         help="SGD momentum (default: 0.9)")
     parser.add_argument("--no-cuda", action="store_true", default=False,
                         help="disable training on GPU (default: False)")
+    parser.add_argument("--seed", type=int, default=42,
+                        help="seeds initialization and shuffling (each rank its own order)")
     parser.add_argument("--data", choices=["auto", "mnist", "synthetic"], default="auto",
                         help="auto: MNIST if MXNet has its files, else synthetic digits")
     parser.add_argument("--num-samples", type=int, default=8192,
@@ -119,10 +121,11 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO)
     logging.info(args)
 
-    train_data, val_data, train_size = get_mnist_iterator(args)
-
     # bpstrain: initialize, and pin the context to the local rank
     bps.init()
+    mx.random.seed(args.seed)
+    np.random.seed(args.seed + bps.rank())  # the DataLoader's shuffling
+    train_data, val_data, train_size = get_mnist_iterator(args)
     context = mx.cpu(bps.local_rank()) if args.no_cuda else mx.gpu(bps.local_rank())
     num_workers = bps.size()
 
