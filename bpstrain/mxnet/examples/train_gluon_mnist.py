@@ -3,9 +3,10 @@
 BytePS's script with ``s/byteps/bpstrain/``; what differs: the code sits in
 ``main(argv)``, ``--seed`` makes runs repeat, the model summary uses the training
 context (BytePS's asked for a GPU even with ``--no-cuda``), and the data: MXNet
-downloads MNIST, which needs the internet, so ``--data auto`` (the default) takes MNIST where MXNet already has its
-files (``~/.mxnet/datasets/mnist``) and otherwise embedded synthetic digits: 28x28
-images of ten fixed random patterns with noise (``--data synthetic`` forces them).
+downloads MNIST, which needs the internet, so ``--data auto`` (the default) takes
+MNIST where MXNet already has its files (``~/.mxnet/datasets/mnist``) and otherwise
+embedded synthetic digits: 28x28 images of ten fixed random patterns with noise
+(``--data synthetic`` forces them).
 
     python -m bpstrain.mxnet.examples.train_gluon_mnist --epochs 1 --no-cuda     # one process
     python -m bpstrain.launch --workers 2 -- \\
