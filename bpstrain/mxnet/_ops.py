@@ -163,8 +163,6 @@ class KVStore(mx.kvstore.KVStoreBase):
     def _run(self, kind, key, value, out, priority):
         keys, values = _by_key(key, value)
         outs = values if out is None else _by_key(key, out)[1]
-        if len(outs) != len(keys):
-            raise ValueError(f"expected one out per key ({len(keys)}). Received: {len(outs)}")
         if kind == "push_pull":
             sources = [vs[0] if len(vs) == 1 else _local_sum(vs) for vs in values]
         else:
@@ -224,9 +222,9 @@ class KVStore(mx.kvstore.KVStoreBase):
 def _by_key(key, value):
     """(keys, [list of NDArrays per key]) from MXNet's key/value conventions."""
     if isinstance(key, (list, tuple)):
-        if not isinstance(value, (list, tuple)) or len(value) != len(key):
-            raise ValueError(f"expected one value per key ({len(key)}). Received: "
-                             f"{type(value).__name__} of {len(value) if isinstance(value, (list, tuple)) else 1}")
+        count = len(value) if isinstance(value, (list, tuple)) else 1
+        if count != len(key):
+            raise ValueError(f"expected one value per key ({len(key)}). Received: {count}")
         return list(key), [list(v) if isinstance(v, (list, tuple)) else [v] for v in value]
     return [key], [list(value) if isinstance(value, (list, tuple)) else [value]]
 

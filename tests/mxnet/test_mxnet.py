@@ -26,7 +26,8 @@ CHECKS = ["push_pull_and_broadcast_in_place", "broadcast_parameters_dicts_and_gl
           "mismatch_raises_on_every_rank_and_job_stays_usable"]
 
 
-MXNET_PYTHON = os.environ.get("BPSTRAIN_MXNET_PYTHON") or str(REPO / ".venv-mxnet" / "bin" / "python")
+MXNET_PYTHON = (os.environ.get("BPSTRAIN_MXNET_PYTHON")
+                or str(REPO / ".venv-mxnet" / "bin" / "python"))
 PYTHON = MXNET_PYTHON if os.access(MXNET_PYTHON, os.X_OK) else None
 needs_mxnet = pytest.mark.skipif(
     PYTHON is None,

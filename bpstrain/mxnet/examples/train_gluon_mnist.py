@@ -85,7 +85,8 @@ def get_mnist_iterator(args):
                      args.num_samples)
         train_set = gluon.data.ArrayDataset(*synthetic_digits(args.num_samples, seed=0))
         val_set = gluon.data.ArrayDataset(*synthetic_digits(args.num_samples // 4, seed=1))
-        train_set, val_set = train_set.transform(dummy_transform), val_set.transform(dummy_transform)
+        train_set = train_set.transform(dummy_transform)
+        val_set = val_set.transform(dummy_transform)
     train_iter = gluon.data.DataLoader(train_set, args.batch_size, True, num_workers=args.j,
                                        last_batch="discard")
     val_iter = gluon.data.DataLoader(val_set, args.batch_size, False, num_workers=0)
