@@ -25,7 +25,8 @@ Gluon, run with ``python -m bpstrain.launch --workers 2 -- python train.py``::
 A plain ``gluon.Trainer`` takes the kvstore instead:
 ``gluon.Trainer(params, "sgd", {...}, kvstore=bps.KVStore(), update_on_kvstore=False)``
 (it sums over ranks, as MXNet's ``dist_sync``; ``KVStore(average=True)`` averages).
-For the Module API, ``bps.broadcast_parameters(module.get_params()[0])`` and
+For the Module API, ``bps.DistributedOptimizer(mx.optimizer.SGD(...))`` (with
+``kvstore=None``), ``bps.broadcast_parameters(module.get_params()[0])`` and
 ``bps.push_pull(ndarray, name=...)`` are BytePS's calls.
 
 Operations are synchronous and in place; supported dtypes: float16, float32, float64,
@@ -38,10 +39,10 @@ from bpstrain.engine import (barrier, init, is_initialized, local_rank, local_si
                              shutdown, size)
 from bpstrain.errors import BpsError, MismatchError, PeerError
 from bpstrain.mxnet._ops import KVStore, broadcast, broadcast_parameters, push_pull
-from bpstrain.mxnet._trainer import DistributedTrainer
+from bpstrain.mxnet._trainer import DistributedOptimizer, DistributedTrainer
 
 __all__ = [
-    "BpsError", "DistributedTrainer", "KVStore", "MismatchError", "PeerError", "barrier",
+    "BpsError", "DistributedOptimizer", "DistributedTrainer", "KVStore", "MismatchError", "PeerError", "barrier",
     "broadcast", "broadcast_parameters", "init", "is_initialized", "local_rank", "local_size",
     "push_pull", "rank", "shutdown", "size",
 ]

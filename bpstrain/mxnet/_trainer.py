@@ -1,4 +1,5 @@
-"""DistributedTrainer: BytePS's ``byteps.mxnet.DistributedTrainer``, a ``gluon.Trainer``."""
+"""BytePS's ``byteps.mxnet`` training wrappers: DistributedTrainer (a ``gluon.Trainer``)
+and DistributedOptimizer (an ``mx.optimizer.Optimizer``, for the Module API)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Optional
 
 from bpstrain import engine
 from bpstrain.mxnet._compat import import_mxnet
-from bpstrain.mxnet._ops import KVStore
+from bpstrain.mxnet._ops import KVStore, exchange, write
 
 mx = import_mxnet()
 
@@ -46,6 +47,8 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     def __init__(self, params, optimizer, optimizer_params=None, root_rank: int = 0,
                  compression_params=None, name: Optional[str] = None):
+        if isinstance(optimizer, DistributedOptimizer):  # BytePS unwraps it too
+            optimizer = optimizer._optimizer
         if compression_params:
             raise ValueError("bpstrain.mxnet.DistributedTrainer does not compress gradients "
                              f"(BytePS's compressors are not offered). Received: "
@@ -76,3 +79,69 @@ class DistributedTrainer(mx.gluon.Trainer):
                              f"gradients for {', '.join(sparse)}")
         if indices:
             self._kvstore.pushpull(indices, grads)
+
+
+class DistributedOptimizer(mx.optimizer.Optimizer):
+    """Wraps an MXNet optimizer so that each update first averages its gradients over ranks.
+
+    BytePS's ``byteps.mxnet.DistributedOptimizer``, for the Module API (``kvstore=None``)
+    or a ``gluon.Trainer(..., kvstore=None)``; every other attribute is the wrapped
+    optimizer's. The gradients of one update call (several with MXNet's aggregated
+    updates) are push_pulled as one group, named by parameter index. Ranks must start
+    from the same parameters (``broadcast_parameters``).
+
+    Args:
+        optimizer: an ``mx.optimizer.Optimizer``.
+        name: engine name prefix, the same on every rank (default: numbered in creation
+            order).
+    """
+
+    def __init__(self, optimizer, name: Optional[str] = None):
+        # The wrapped optimizer keeps every setting: the base initializer would shadow them.
+        object.__setattr__(self, "_optimizer", optimizer)
+        object.__setattr__(self, "_prefix", name or engine.auto_name("mx.optimizer"))
+
+    def __getattr__(self, item):
+        if item == "_optimizer":  # not set yet (unpickling): no recursion
+            raise AttributeError(item)
+        return getattr(self._optimizer, item)
+
+    def __setattr__(self, item, value):
+        setattr(self._optimizer, item, value)  # e.g. gluon.Trainer's param_dict
+
+    def __getstate__(self):  # Updater.get_states(dump_optimizer=True) pickles the optimizer
+        return dict(vars(self))
+
+    def __setstate__(self, state):
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+
+    def _push_pull(self, index, grad):
+        indices = list(index) if isinstance(index, (list, tuple)) else [index]
+        grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
+        write([[g] for g in grads],
+              exchange("push_pull", grads, [f"{self._prefix}.{i}" for i in indices],
+                       priorities=[-int(i) for i in indices]))
+
+    def create_state(self, index, weight):
+        return self._optimizer.create_state(index, weight)
+
+    def create_state_multi_precision(self, index, weight):
+        return self._optimizer.create_state_multi_precision(index, weight)
+
+    def update(self, index, weight, grad, state):
+        self._push_pull(index, grad)
+        self._optimizer.update(index, weight, grad, state)
+
+    def update_multi_precision(self, index, weight, grad, state):
+        self._push_pull(index, grad)
+        self._optimizer.update_multi_precision(index, weight, grad, state)
+
+    def set_learning_rate(self, lr):
+        self._optimizer.set_learning_rate(lr)
+
+    def set_lr_mult(self, args_lr_mult):
+        self._optimizer.set_lr_mult(args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult):
+        self._optimizer.set_wd_mult(args_wd_mult)

@@ -6,6 +6,7 @@ check (name, rank, ok, error); the test reports them one by one.
 """
 
 import os
+import pickle
 import sys
 
 import numpy as np
@@ -139,6 +140,9 @@ def check_equivalence_n_workers_vs_one_process(r, n):
                 update_on_kvstore=False), batch, 0),
             "KVStore() sums": (lambda ps: gluon.Trainer(
                 ps, opt, dict(opt_params), kvstore=bps.KVStore()), batch * n, 0),
+            "DistributedOptimizer": (lambda ps: gluon.Trainer(
+                ps, bps.DistributedOptimizer(mx.optimizer.create(opt, **opt_params)),
+                kvstore=None), batch, 0),
         }
         for variant, (make, step_batch, seed) in variants.items():
             ref = _mlp(seed=0)
@@ -168,6 +172,42 @@ def check_trainer_allreduce_then_update_and_refusals(r, n):
         raise AssertionError("compression_params were accepted")
     except ValueError as exc:
         assert "Received: compression_params" in str(exc), exc
+
+
+def check_distributed_optimizer_with_module_api(r, n):
+    """BytePS's Module recipe: broadcast_parameters, then a DistributedOptimizer (kvstore=None)."""
+    batch = 4
+    x, y = _data(n, batch)
+    net = mx.sym.FullyConnected(mx.sym.var("data"), num_hidden=3, name="fc")
+    net = mx.sym.LinearRegressionOutput(net, mx.sym.var("label"), name="out")
+
+    def module(data, label, seed, opt):
+        mx.random.seed(seed)
+        it = mx.io.NDArrayIter(data, label, batch_size=len(data), label_name="label")
+        mod = mx.mod.Module(net, data_names=["data"], label_names=["label"])
+        mod.bind(data_shapes=it.provide_data, label_shapes=it.provide_label)
+        mod.init_params(mx.init.Xavier())
+        mod.init_optimizer(kvstore=None, optimizer=opt)
+        return mod, it
+
+    ref, ref_it = module(x, y, 0, mx.optimizer.SGD(learning_rate=0.1, momentum=0.9,
+                                                   rescale_grad=1.0 / (n * batch)))
+    opt = bps.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9,
+                                                    rescale_grad=1.0 / batch))
+    mine = slice(r * batch, (r + 1) * batch)
+    mod, it = module(x[mine], y[mine], r, opt)
+    arg, aux = mod.get_params()
+    bps.broadcast_parameters(arg, root_rank=0)
+    mod.set_params(arg, aux)
+    for _ in range(5):
+        for m, data in ((ref, ref_it), (mod, it)):
+            data.reset()
+            m.forward_backward(next(data))
+            m.update()
+    got, want = mod.get_params()[0], ref.get_params()[0]
+    diff = max(np.abs(got[k].asnumpy() - want[k].asnumpy()).max() for k in want)
+    assert diff < 1e-5, diff  # float32
+    assert opt.learning_rate == 0.1 and pickle.loads(pickle.dumps(opt)).momentum == 0.9
 
 
 def check_mismatch_raises_on_every_rank_and_job_stays_usable(r, n):

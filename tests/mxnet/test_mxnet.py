@@ -22,7 +22,7 @@ from launched_job import assert_check, launch  # noqa: E402
 WORKERS = 2
 CHECKS = ["push_pull_and_broadcast_in_place", "broadcast_parameters_dicts_and_gluon",
           "kvstore_sums_over_devices_and_ranks", "equivalence_n_workers_vs_one_process",
-          "trainer_allreduce_then_update_and_refusals",
+          "trainer_allreduce_then_update_and_refusals", "distributed_optimizer_with_module_api",
           "mismatch_raises_on_every_rank_and_job_stays_usable"]
 
 
