@@ -392,6 +392,24 @@ def submit(name: str, dtype: str, shape, src, dst, op: Op, root: int = 0, priori
     return handle
 
 
+def submit_at(name: str, dtype: str, shape, src: Any, dst: Any, nbytes: int, op: Op,
+              priority: int = 0) -> Optional[int]:
+    """The thinnest submit, for adapters whose tensors are not buffer objects (torch).
+
+    ``src`` and ``dst`` are C-contiguous CPU tensors of ``nbytes`` bytes each with
+    ``data_ptr()``; they stay referenced until the operation is over, and
+    :func:`synchronize` returns ``dst``. Returns ``None`` in a standalone process (no
+    engine: use :func:`submit`).
+    """
+    state = _state or _require()
+    if state.worker is None:
+        return None
+    handle = state.worker.enqueue_at(name, dtype, shape, src.data_ptr(), dst.data_ptr(), nbytes, op,
+                                     priority)
+    state.ops[handle] = dst, (src, dst), None
+    return handle
+
+
 def track(op: Any, then: Optional[Callable[[Any], Any]] = None, result: Any = None) -> int:
     """Gives an adapter's own operation a handle in the engine's one handle table.
 

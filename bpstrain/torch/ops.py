@@ -272,12 +272,13 @@ def push_pull(tensor, average=True, name=None, version=0, priority=0,
         dtype = _PLAIN.get(getattr(tensor, "dtype", None))
         if (dtype is not None and name is not None and not tensor.is_cuda and not tensor.requires_grad
                 and tensor.is_contiguous()):
-            # The common small-op case inlined (what _start does for it, minus the checks
-            # it needs): every rank waits for the slowest to enqueue, so each us counts.
-            src = tensor.numpy()
-            return engine.synchronize(engine.submit(name, dtype, src.shape or _SCALAR, src,
-                                                    np.empty_like(src), op, 0, priority,
-                                                    wrap=torch.from_numpy))
+            # The common small-op case, by address (no numpy views): every rank waits for
+            # the slowest to enqueue, so each microsecond counts.
+            out = torch.empty_like(tensor)
+            handle = engine.submit_at(name, dtype, tuple(tensor.shape) or _SCALAR, tensor, out,
+                                      tensor.nbytes, op, priority)
+            if handle is not None:
+                return engine.synchronize(handle)
         return engine.synchronize(_start(tensor, False, name, op, priority))
     compressed, ctx = compression.compress(tensor)
     return compression.decompress(_PushPull.apply(compressed, average, name, priority), ctx)

@@ -62,6 +62,31 @@ int64_t Elements(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// One operation's request; checks that both buffers hold exactly `shape` of `dtype`.
+OpRequest MakeRequest(const std::string& name, const std::string& dtype, std::vector<int64_t> shape, Op op,
+                      int root, int priority, int participants, const std::string& device,
+                      const std::string& layout, const BufferView& in, const BufferView& out) {
+  OpRequest r;
+  r.participants = participants;
+  r.name = name;
+  r.dtype = ParseDType(dtype);
+  r.shape = std::move(shape);
+  r.op = op;
+  r.root = root;
+  r.priority = priority;
+  r.device = device;
+  r.layout = layout;
+  const size_t want = static_cast<size_t>(Elements(r.shape)) * DTypeSize(r.dtype);
+  if (in.nbytes != want || out.nbytes != want)
+    throw Error(Error::kConfig, "tensor '" + name + "': buffers must hold " + std::to_string(want) +
+                                    " bytes for shape " + ShapeString(r.shape) + " of " + dtype +
+                                    ". Received: input=" + std::to_string(in.nbytes) +
+                                    " bytes, output=" + std::to_string(out.nbytes) + " bytes");
+  r.input = in.ptr;
+  r.output = out.ptr;
+  return r;
+}
+
 // A server handler written in Python (for tests and for prototyping server-side logic;
 // it runs under the GIL, so it is slow): `on_push(key, version, dtype, sender, data)`
 // gets each push's bytes (a read-only memoryview; None for an empty push) and
@@ -451,25 +476,9 @@ PYBIND11_MODULE(_core, m) {
           [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
              py::buffer input, py::buffer output, Op op, int root, int priority, int participants,
              const std::string& device, const std::string& layout) {
-            OpRequest r;
-            r.participants = participants;
-            r.name = name;
-            r.dtype = ParseDType(dtype);
-            r.shape = std::move(shape);
-            r.op = op;
-            r.root = root;
-            r.priority = priority;
-            r.device = device;
-            r.layout = layout;
             BufferView in = View(input, false, "input"), out = View(output, true, "output");
-            const size_t want = static_cast<size_t>(Elements(r.shape)) * DTypeSize(r.dtype);
-            if (in.nbytes != want || out.nbytes != want)
-              throw Error(Error::kConfig, "tensor '" + name + "': buffers must hold " + std::to_string(want) +
-                                              " bytes for shape " + ShapeString(r.shape) + " of " + dtype +
-                                              ". Received: input=" + std::to_string(in.nbytes) +
-                                              " bytes, output=" + std::to_string(out.nbytes) + " bytes");
-            r.input = in.ptr;
-            r.output = out.ptr;
+            OpRequest r = MakeRequest(name, dtype, std::move(shape), op, root, priority, participants, device,
+                                      layout, in, out);
             py::gil_scoped_release nogil;
             return w.Enqueue(r);
           },
@@ -478,6 +487,24 @@ PYBIND11_MODULE(_core, m) {
           py::arg("device") = "cpu", py::arg("layout") = "",
           "Queues one operation (`op`: Op.SUM, Op.AVERAGE or Op.BROADCAST); returns its handle.\n"
           "`device` and `layout` are compared across ranks with the shape and dtype.")
+      .def(
+          "enqueue_at",
+          [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
+             uintptr_t input, uintptr_t output, size_t nbytes, Op op, int priority) {
+            // For adapters whose tensors are not buffer objects (torch): the caller vouches
+            // that both addresses hold `nbytes` of C-contiguous memory and keeps them alive
+            // until the operation is over (bpstrain.engine.submit_at does both).
+            if (input == 0 || output == 0) throw Error(Error::kConfig, "tensor '" + name + "': a null address");
+            OpRequest r = MakeRequest(name, dtype, std::move(shape), op, 0, priority, 0, "cpu", "",
+                                      {reinterpret_cast<void*>(input), nbytes},
+                                      {reinterpret_cast<void*>(output), nbytes});
+            py::gil_scoped_release nogil;
+            return w.Enqueue(r);
+          },
+          py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("input"), py::arg("output"),
+          py::arg("nbytes"), py::arg("op"), py::arg("priority") = 0,
+          "Like `enqueue` with the buffers given as addresses of `nbytes` each (CPU memory the\n"
+          "caller keeps alive until the operation is over).")
       .def("enqueue_barrier", &Worker::EnqueueBarrier, py::call_guard<py::gil_scoped_release>())
       .def("poll", &Worker::Poll, py::arg("handle"))
       .def("wait", &Worker::WaitFor, py::arg("handle"), py::arg("seconds"),
