@@ -135,3 +135,26 @@ def check_cuda_cross_barrier_equals_one_process():
         opt.synchronize()
         diff = training.max_param_diff(ref, model)
         assert diff < 1e-9 and next(model.parameters()).is_cuda, (fusion, diff)
+
+
+def check_cuda_unmodified_torch_ddp_over_the_bpstrain_backend():
+    """torch's own DDP on CUDA over init_process_group("bpstrain") == one process, big batch."""
+    import torch.distributed as dist
+
+    import torch_checks_c10d as c10d
+
+    device = _device()
+    rank, size = c10d._init()
+    t = torch.full((5,), float(rank + 1), device=device)
+    dist.all_reduce(t)
+    assert t.is_cuda and torch.all(t == size * (size + 1) / 2), t
+    base = c10d._model()
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base).to(device),
+                                                    bucket_cap_mb=0.001)
+    ours = c10d._train(ddp, [(x.to(device), y.to(device)) for x, y in c10d._batches(rank)])
+    every = [c10d._batches(r) for r in range(size)]
+    big = [(torch.cat([every[r][s][0] for r in range(size)]),
+            torch.cat([every[r][s][1] for r in range(size)])) for s in range(len(every[0]))]
+    single = c10d._train(copy.deepcopy(base), big)
+    for a, c in zip(ours, single):
+        assert a.is_cuda and torch.allclose(a.cpu(), c, atol=1e-5), (a.cpu() - c).abs().max()
