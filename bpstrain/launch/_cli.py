@@ -1,6 +1,6 @@
 """Command line of ``python -m bpstrain.launch``.
 
-Three ways to call it:
+Four ways to call it:
 
 * ``python -m bpstrain.launch --workers N --servers K [--local-size L] [--mixed] -- CMD ...``
   starts a whole job on this host (see :func:`bpstrain.launch.launch_local`). N counts
@@ -11,6 +11,9 @@ Three ways to call it:
 * ``DMLC_ROLE=worker python -m bpstrain.launch CMD ...`` runs CMD as a worker
   with the environment passed through, like BytePS's ``bpslaunch``; with
   ``BYTEPS_LOCAL_SIZE=L`` and no ``BYTEPS_LOCAL_RANK`` it starts L local copies.
+
+* ``python -m bpstrain.launch k8s --workers N --image IMAGE ... -- CMD ...`` prints
+  Kubernetes manifests for the job (see :mod:`bpstrain.launch.k8s`).
 
 Exit status 2 means bad arguments or environment.
 """
@@ -193,6 +196,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     environ = os.environ if environ is None else environ
+    if argv[:1] == ["k8s"] and "DMLC_ROLE" not in environ:
+        from bpstrain.launch.k8s import main as k8s_main
+        return k8s_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)  # SystemExit(2) with a message on bad flags.
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else list(args.cmd)
