@@ -13,6 +13,7 @@ Examples::
     python -m bpstrain.bench scaling --workers 1 2 4 --sizes 4M 64M   # time vs n and size
     python -m bpstrain.bench overhead              # per-op cost: raw binding, engine, torch
     python -m bpstrain.bench fuzz                  # attacks a live job; checks it held
+    python -m bpstrain.bench control-plane         # 16-1024 simulated workers: form, barrier
 
 Progress goes to stderr; the table is printed last on stdout.
 """
@@ -23,17 +24,19 @@ import argparse
 import json
 import sys
 
-from bpstrain.bench import _jobs, cluster, emulated, fuzz, hierarchical, loopback, overhead, scaling
+from bpstrain.bench import _jobs, cluster, control_plane, emulated, fuzz, hierarchical, loopback, overhead, scaling
 from bpstrain.bench.bounds import parse_size
 from bpstrain.bench.table import format_table
 
 # Benchmarks with their own module: add_arguments() and run_args().
-_MODULES = {"hierarchical": hierarchical, "scaling": scaling, "overhead": overhead, "fuzz": fuzz}
+_MODULES = {"hierarchical": hierarchical, "scaling": scaling, "overhead": overhead, "fuzz": fuzz,
+            "control-plane": control_plane}
 _HELP = {"hierarchical": "flat vs hierarchical push_pull, hosts x local ranks (root)",
          "scaling": "bpstrain time vs workers and size on emulated hosts (root)",
          "overhead": "per-op cost of bpstrain.engine and bpstrain.torch over the raw binding",
-         "fuzz": "attacks a live job on loopback; checks sums, crashes, fds, threads and RSS"}
-_ON_LOOPBACK = ("loopback", "overhead", "fuzz")  # need no emulated hosts (no root)
+         "fuzz": "attacks a live job on loopback; checks sums, crashes, fds, threads and RSS",
+         "control-plane": "form, barrier, shutdown and scheduler memory of 16-1024 simulated workers"}
+_ON_LOOPBACK = ("loopback", "overhead", "fuzz", "control-plane")  # need no emulated hosts (no root)
 
 
 def _partition(text: str) -> int | None:
