@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import yaml
+from launch_helpers import HERE, REPO, subprocess_env
 
 from bpstrain.config.env import read_env
 from bpstrain.launch._cli import main
@@ -117,9 +118,9 @@ def test_servers_and_workers_take_their_ids_from_the_completion_index_and_advert
     assert "DMLC_NODE_HOST" not in env_of(jobs["resnet-scheduler"])
 
 
-def _resolved(job, index):
+def _resolved(job, index, pod_ip=None):
     """The environment Kubernetes would give pod ``index`` of ``job``."""
-    values = {"status.podIP": f"10.0.0.{index + 1}"}
+    values = {"status.podIP": pod_ip or f"10.0.0.{index + 1}"}
     env = {}
     for name, value in env_of(job).items():
         if isinstance(value, str):
@@ -145,6 +146,42 @@ def test_bpstrain_reads_the_rendered_environment_as_intended():
     scheduler = read_env(_resolved(jobs["resnet-scheduler"], 0))
     assert (scheduler.root_uri, scheduler.root_port) == ("resnet-scheduler.ml.svc", 9100)
     assert (scheduler.listen_host, scheduler.num_worker_hosts) == ("0.0.0.0", 4)
+
+
+@pytest.mark.timeout(120)
+def test_pods_started_as_the_manifests_say_form_a_job_with_correct_sums():
+    """Every pod's container command and environment, run here (pod IP 127.0.0.1, the
+    Service name replaced by localhost): 1 scheduler, 1 server, 2 worker pods of 2."""
+    from bpstrain.launch import free_port
+    argv = ["--workers", "4", "--local-size", "2", "--servers", "1", "--image", "img",
+            "--port", str(free_port()), "--rendezvous-timeout", "60",
+            "--python", sys.executable, "--", sys.executable, str(HERE / "e2e_worker.py")]
+    jobs = by_kind(render(argv))["Job"]
+    procs = []
+    try:
+        for name in ("bpstrain-scheduler", "bpstrain-servers", "bpstrain-workers"):
+            for index in range(jobs[name]["spec"]["completions"]):
+                env = _resolved(jobs[name], index, pod_ip="127.0.0.1")
+                env["DMLC_PS_ROOT_URI"] = "localhost"
+                init = jobs[name]["spec"]["template"]["spec"].get("initContainers", [])
+                for step in (*init, container(jobs[name])):
+                    cmd = [*step["command"], *step.get("args", [])]
+                    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(**env),
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                            text=True)
+                    if step is not container(jobs[name]):
+                        assert proc.wait(timeout=30) == 0, proc.stdout.read()
+                    else:
+                        procs.append(proc)
+        outputs = [p.communicate(timeout=90)[0] for p in reversed(procs)][::-1]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * 4, outputs
+    for rank in range(4):
+        assert f"rank {rank} of 4: sum 10 expected 10" in outputs[2 + rank // 2], outputs
 
 
 def test_resources_gpu_requests_and_shared_memory():
