@@ -71,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG, usage=f"{PROG} --workers N [--servers K] [--local-size L] "
         "[--host HOST] [--port PORT] -- CMD ...\n"
         f"       DMLC_ROLE=scheduler|server {PROG}\n"
-        f"       DMLC_ROLE=worker {PROG} CMD ...",
+        f"       DMLC_ROLE=worker {PROG} CMD ...\n"
+        f"       {PROG} k8s --workers N --image IMAGE ... -- CMD ...  (Kubernetes manifests)",
         description="Start a bpstrain job on this host (scheduler, servers and "
         "workers), or run one role of a job started by hand with BytePS's DMLC_* "
         "variables.")
