@@ -37,11 +37,24 @@ def _build(args):
     from bpstrain.models import get_model
 
     torch.manual_seed(0)
-    model = get_model(args.model, num_classes=args.num_classes)
-    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
-    target = torch.randint(args.num_classes, (args.batch_size,))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        # Workers of several emulated hosts share the machine's GPUs.
+        torch.cuda.set_device(int(os.environ.get("BYTEPS_LOCAL_RANK", "0")) % torch.cuda.device_count())
+    model = get_model(args.model, num_classes=args.num_classes).to(device)
+    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size).to(device)
+    target = torch.randint(args.num_classes, (args.batch_size,)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
     return model, optimizer, data, target
+
+
+def _clock(data):
+    """perf_counter after the device has finished its queued work (CUDA runs async)."""
+    if data.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(data.device)
+    return time.perf_counter()
 
 
 def _timed_steps(model, optimizer, data, target, iters, warmup, cross_barrier=False):
@@ -50,15 +63,15 @@ def _timed_steps(model, optimizer, data, target, iters, warmup, cross_barrier=Fa
     times, phases = [], []
     explicit_sync = hasattr(optimizer, "synchronize") and not cross_barrier
     for i in range(warmup + iters):
-        start = time.perf_counter()
+        start = _clock(data)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(data), target)
-        forward = time.perf_counter()
+        forward = _clock(data)
         loss.backward()
-        backward = time.perf_counter()
+        backward = _clock(data)  # (DDP: communication overlapped with backward ends here too)
         if explicit_sync:  # bpstrain: wait for the gradients
             optimizer.synchronize()
-        synced = time.perf_counter()
+        synced = _clock(data)
         if explicit_sync:
             with optimizer.skip_synchronize():
                 optimizer.step()
@@ -68,7 +81,7 @@ def _timed_steps(model, optimizer, data, target, iters, warmup, cross_barrier=Fa
             # The warmup's updates must not spill into the first timed forward; the last
             # step's updates count in its own time.
             optimizer.synchronize()
-        end = time.perf_counter()
+        end = _clock(data)
         if i >= warmup:
             times.append(end - start)
             # forward, backward, waiting for the gradients (bpstrain), optimizer update
@@ -95,6 +108,12 @@ def run_bpstrain(args):
         return bps.rank(), bps.size(), times
     finally:
         bps.shutdown()
+
+
+def run_alone(args):
+    """One process, plain SGD, no communication: the compute part of a step."""
+    model, optimizer, data, target = _build(args)
+    return 0, 1, _timed_steps(model, optimizer, data, target, args.iters, args.warmup)
 
 
 def run_ddp(args):
@@ -130,7 +149,8 @@ def run_ddp(args):
 def main(argv=None) -> int:
     """Command-line entry point; see the module docstring."""
     p = argparse.ArgumentParser(prog="python -m bpstrain.bench._train_worker")
-    p.add_argument("--system", choices=["bpstrain", "ddp", "ddp-bpstrain"], required=True)
+    p.add_argument("--system", choices=["bpstrain", "ddp", "ddp-bpstrain", "alone"], required=True,
+                   help="alone: one process, no communication (the compute time of a step)")
     p.add_argument("--model", default="vgg16")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--image-size", type=int, default=32)
@@ -141,6 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--cross-barrier", action="store_true",
                    help="bpstrain: CrossBarrier instead of DistributedOptimizer")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (emulated hosts share the GPU)")
     p.add_argument("--addr"), p.add_argument("--port", type=int)
     p.add_argument("--rank", type=int), p.add_argument("--world-size", type=int)
     p.add_argument("--ifname", help="network interface gloo binds to")
@@ -151,7 +172,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     if args.ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
-    rank, size, (times, phases) = (run_bpstrain if args.system == "bpstrain" else run_ddp)(args)
+    run = {"bpstrain": run_bpstrain, "alone": run_alone}.get(args.system, run_ddp)
+    rank, size, (times, phases) = run(args)
     _report.emit(args.system, rank, size, [{"model": args.model, "batch": args.batch_size,
                                             "times": times, "phases": phases}])
     return 0

@@ -48,6 +48,7 @@ class TrainPlan:
     iters: int = 3
     warmup: int = 1
     fp16: bool = False
+    device: str = "cpu"
     systems: Sequence[str] = ("bpstrain", "ddp")
     latency_ms: float = 20.0
     loopback: bool = False
@@ -72,7 +73,7 @@ class TrainRow:
 def _worker_args(plan: TrainPlan, model: str) -> list[str]:
     argv = ["--model", model, "--batch-size", str(plan.batch_size), "--image-size",
             str(plan.image_size), "--num-classes", str(plan.num_classes), "--iters",
-            str(plan.iters), "--warmup", str(plan.warmup)]
+            str(plan.iters), "--warmup", str(plan.warmup), "--device", plan.device]
     return argv + (["--fp16"] if plan.fp16 else [])
 
 
@@ -182,6 +183,9 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=3, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--fp16", action="store_true", help="float16 gradients (both systems)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where every worker trains (cuda: the emulated hosts share the GPU; "
+                        "DDP's gloo then reduces CUDA tensors)")
     p.add_argument("--systems", nargs="+", choices=["bpstrain", "bpstrain-cb", "ddp-bpstrain", "ddp"],
                    default=["bpstrain", "ddp"])
     p.add_argument("--loopback", action="store_true", help="no namespaces, no caps (no root needed)")
