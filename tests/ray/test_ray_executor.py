@@ -1,0 +1,142 @@
+"""RayExecutor on a real 5-node Ray cluster (a head and 4 nodes, see conftest.py)."""
+
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason='Ray is not installed: pip install -e ".[ray]"')
+psutil = pytest.importorskip("psutil")
+
+from bpstrain.ray import RayExecutor, RayExecutorError  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+# The functions below run in Ray workers, which cannot import this test module by name.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _push_pull_rank():
+    import bpstrain.engine as bps
+
+    total = bps.push_pull(np.full(1000, bps.rank() + 1, np.float32), name="r", average=False)
+    return bps.rank(), bps.size(), float(total[0]), float(total[-1])
+
+
+def _node_of_this_actor():
+    return ray.get_runtime_context().get_node_id()
+
+
+def _role_actors_left(executor_pids):
+    """Processes of the job's actors still alive (by pid and Ray's process title)."""
+    alive = []
+    for pid in executor_pids:
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append((pid, " ".join(proc.cmdline())[:80]))
+        except psutil.NoSuchProcess:
+            pass
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if "RoleActor" in line or "WorkerActor" in line:
+            alive.append((proc.pid, line[:80]))
+    return alive
+
+
+def _wait_gone(pids, limit=20.0):
+    deadline = time.monotonic() + limit
+    while (left := _role_actors_left(pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _pids(executor):
+    return [n["pid"] for n in executor.worker_nodes + executor.server_nodes
+            + [executor.scheduler_node]]
+
+
+def test_four_workers_sum_in_rank_order_spread_over_nodes_with_servers_beside_them(ray_cluster):
+    settings = RayExecutor.create_settings(timeout_s=60)
+    executor = RayExecutor(settings, num_workers=4, num_servers=2, cpus_per_worker=1)
+    executor.start()
+    pids = _pids(executor)
+    try:
+        print(f"cluster up in {ray_cluster.started_s:.1f} s; job formed in "
+              f"{executor.start_seconds:.2f} s (4 workers, 2 servers, 5-node Ray cluster)")
+        results = executor.run(_push_pull_rank)
+        assert [r[:2] for r in results] == [(i, 4) for i in range(4)]
+        assert all(r[2:] == (10.0, 10.0) for r in results)  # 1+2+3+4
+        worker_nodes = [n["node_id"] for n in executor.worker_nodes]
+        assert len(set(worker_nodes)) == 4  # distinct nodes
+        assert executor.run(_node_of_this_actor) == worker_nodes  # run is in rank order
+        # Servers spread over the workers' nodes: server j beside worker j.
+        assert [n["node_id"] for n in executor.server_nodes] == worker_nodes[:2]
+        # execute() on the live workers, again in rank order, a second op in the same job.
+        assert executor.execute(lambda _: _push_pull_rank()[2]) == [10.0] * 4
+    finally:
+        executor.shutdown()
+    assert _wait_gone(pids) == []
+
+
+def test_servers_go_to_the_nodes_server_resources_ask_for(ray_cluster):
+    settings = RayExecutor.create_settings(timeout_s=60)
+    executor = RayExecutor(settings, num_workers=2, num_servers=2,
+                           server_resources={"cpu_node": 1})
+    with executor:
+        pids = _pids(executor)
+        results = executor.run(_push_pull_rank)
+        assert [r[2] for r in results] == [3.0, 3.0]
+        names = ray_cluster.node_ids
+        servers = sorted(names[n["node_id"]] for n in executor.server_nodes)
+        assert servers == ["node_3", "node_4"]
+        assert names[executor.scheduler_node["node_id"]] in ("node_3", "node_4")
+        workers = [names[n["node_id"]] for n in executor.worker_nodes]
+        assert len(set(workers)) == 2
+    assert _wait_gone(pids) == []
+
+
+def _slow_steps(steps):
+    import bpstrain.engine as bps
+
+    for i in range(steps):
+        bps.push_pull(np.ones(256, np.float32), name=f"s{i}", average=False)
+        time.sleep(0.1)
+    return bps.rank()
+
+
+def test_a_killed_worker_actor_is_a_clear_error_and_shutdown_leaves_nothing(ray_cluster):
+    settings = RayExecutor.create_settings(timeout_s=60, env={"BPSTRAIN_OP_TIMEOUT": "20"})
+    executor = RayExecutor(settings, num_workers=3, num_servers=1)
+    executor.start()
+    pids = _pids(executor)
+    try:
+        refs_started = time.monotonic()
+        victim = executor.workers[1]
+
+        def kill_soon():
+            time.sleep(1.5)
+            ray.kill(victim, no_restart=True)
+
+        import threading
+
+        threading.Thread(target=kill_soon, daemon=True).start()
+        with pytest.raises(RayExecutorError) as info:
+            executor.run(_slow_steps, args=(600,))
+        message = str(info.value)
+        assert "worker rank 1" in message and "died" in message, message
+        assert time.monotonic() - refs_started < 30
+        with pytest.raises(RayExecutorError, match="has failed"):
+            executor.run(_push_pull_rank)
+    finally:
+        executor.shutdown()
+    assert _wait_gone(pids) == []
+
+
+def test_placement_that_cannot_be_met_is_a_clear_error(ray_cluster):
+    settings = RayExecutor.create_settings(placement_group_timeout_s=3)
+    executor = RayExecutor(settings, num_workers=2, num_servers=1,
+                           server_resources={"no_such_resource": 1})
+    with pytest.raises(RayExecutorError, match="was not placed within 3 s"):
+        executor.start()
+    assert executor.workers == [] and executor._groups == []
