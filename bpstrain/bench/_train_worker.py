@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import functools
 import os
+import signal
 import sys
 import time
 
@@ -167,6 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--ifname", help="network interface gloo binds to")
     p.add_argument("--timeout", type=float, default=600.0)
     args = p.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks before a kill (_jobs)
     import torch
 
     torch.set_num_threads(args.threads)
