@@ -14,6 +14,8 @@ Four ways to call it:
 
 * ``python -m bpstrain.launch k8s --workers N --image IMAGE ... -- CMD ...`` prints
   Kubernetes manifests for the job (see :mod:`bpstrain.launch.k8s`).
+* ``srun ... python -m bpstrain.launch --slurm [--local-size L] -- CMD ...`` runs in
+  every task of a Slurm step and forms one job of them (see :mod:`bpstrain.launch.slurm`).
 
 Exit status 2 means bad arguments or environment.
 """
@@ -72,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
         "[--host HOST] [--port PORT] -- CMD ...\n"
         f"       DMLC_ROLE=scheduler|server {PROG}\n"
         f"       DMLC_ROLE=worker {PROG} CMD ...\n"
+        f"       srun ... {PROG} --slurm [--local-size L] -- CMD ...  (every task of a step)\n"
         f"       {PROG} k8s --workers N --image IMAGE ... -- CMD ...  (Kubernetes manifests)",
         description="Start a bpstrain job on this host (scheduler, servers and "
         "workers), or run one role of a job started by hand with BytePS's DMLC_* "
@@ -88,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=None,
                         help="also run a server on every worker host (BytePS's mixed mode); "
                         "default: on when there are fewer servers than worker hosts")
+    parser.add_argument("--slurm", action="store_true",
+                        help="run in every task of an srun step: ranks, servers and the "
+                        "scheduler follow Slurm's placement (one task per worker, or one "
+                        "per node with --local-size)")
     parser.add_argument("--host", help="scheduler / node address (default 127.0.0.1)")
     parser.add_argument("--port", type=_int_flag("--port", 1, 65535), metavar="PORT",
                         help="scheduler port (default: a free port)")
@@ -96,8 +103,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="seconds between SIGTERM and SIGKILL on teardown")
     parser.add_argument("--service-timeout", type=_seconds("--service-timeout"),
                         metavar="SECONDS",
-                        default=30.0, help="seconds the scheduler and servers may keep "
-                        "running after all workers exited 0")
+                        help="seconds the scheduler and servers may keep running after "
+                        "all workers exited 0 (default 30; with --slurm: until they end)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
                         help="worker command, after --")
     return parser
@@ -124,9 +131,27 @@ def _run_local(args: argparse.Namespace, cmd: list[str], environ: Mapping[str, s
     if servers == 0 and args.mixed is not True:
         raise UsageError("--servers 0 needs --mixed (servers on the worker hosts). "
                          "Received: --servers=0")
+    service_timeout = 30.0 if args.service_timeout is None else args.service_timeout
     return launch_local(cmd, args.workers, servers, local_size, env=dict(environ),
                         host=args.host or "127.0.0.1", port=args.port, grace=args.grace,
-                        service_timeout=args.service_timeout, mixed=args.mixed)
+                        service_timeout=service_timeout, mixed=args.mixed)
+
+
+def _run_slurm(args: argparse.Namespace, cmd: list[str], environ: Mapping[str, str]) -> int:
+    from bpstrain.errors import ConfigError
+    from bpstrain.launch.slurm import launch_slurm
+    for flag, value in (("--workers", args.workers), ("--servers", args.servers),
+                        ("--host", args.host)):
+        if value is not None:
+            raise UsageError(f"{flag} does not apply with --slurm: the step's tasks and nodes "
+                             "give the workers, servers and addresses. "
+                             f"Received: {flag}={value}")
+    _check_cmd(cmd, environ)
+    try:
+        return launch_slurm(cmd, environ, args.local_size, args.port, args.mixed, args.grace,
+                            args.service_timeout)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _die_with_parent(environ: Mapping[str, str]) -> None:
@@ -204,6 +229,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     args = parser.parse_args(argv)  # SystemExit(2) with a message on bad flags.
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else list(args.cmd)
     try:
+        if args.slurm:
+            return _run_slurm(args, cmd, environ)
         if args.workers is not None:
             return _run_local(args, cmd, environ)
         given = [f for f, v in (("--servers", args.servers), ("--local-size", args.local_size),

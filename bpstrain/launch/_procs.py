@@ -170,6 +170,9 @@ class Child(Watched):
         output: Text stream for the relayed stdout lines; ``None`` means ``sys.stdout``.
         errors: Text stream for the relayed stderr lines; ``None`` means ``output``
             when that is given (one captured stream), else ``sys.stderr``.
+        die_with_parent: Linux only: the child gets SIGKILL when the thread that started
+            it dies (``PR_SET_PDEATHSIG``), so a launcher killed outright leaves no
+            process of its own behind (e.g. a Slurm task killed with ``kill -9``).
 
     Raises:
         OSError: When the command cannot be started (not found, not executable).
@@ -177,14 +180,16 @@ class Child(Watched):
 
     def __init__(self, label: str, cmd: Sequence[str], env: Mapping[str, str],
                  on_exit: Callable[["Child"], None] | None = None,
-                 output: TextIO | None = None, errors: TextIO | None = None):
+                 output: TextIO | None = None, errors: TextIO | None = None,
+                 die_with_parent: bool = False):
         self.cmd = list(cmd)
         self._output = output
         self._errors = errors if errors is not None else output
         self.muted = threading.Event()
         proc = subprocess.Popen(
             self.cmd, env=dict(env), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+            preexec_fn=_kill_when_parent_dies() if die_with_parent else None)
         self.label, self.proc = label, proc  # the relays need them before the waiter runs
         self._readers = [threading.Thread(target=self._relay, args=(pipe, is_err), daemon=True,
                                           name=f"bpstrain-relay-{label}-{name}")
@@ -223,6 +228,21 @@ class Child(Watched):
         deadline = time.monotonic() + timeout
         for reader in self._readers:
             reader.join(max(0.0, deadline - time.monotonic()))
+
+
+def _kill_when_parent_dies() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that arms ``PR_SET_PDEATHSIG`` = SIGKILL (``None`` off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork, not in the child
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+    return arm
 
 
 def mute(children: Sequence[ProcessGroup]) -> None:

@@ -63,6 +63,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def role_process_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for a scheduler or server process that this process starts and owns."""
+    env = dict(env)
+    # Role processes must import the same bpstrain as we do, even when it is
+    # only on our sys.path (e.g. a notebook next to a source checkout). An
+    # installed copy is found anyway; putting site-packages first would let
+    # stale backports there shadow the standard library.
+    if Path(_PACKAGE_PARENT).name not in ("site-packages", "dist-packages"):
+        path = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = _PACKAGE_PARENT + (os.pathsep + path if path else "")
+    if threading.current_thread() is threading.main_thread():
+        # Lets the role arm PR_SET_PDEATHSIG; only from the main thread, since
+        # the signal fires when the *thread* that forked exits.
+        env["BPSTRAIN_LAUNCH_PARENT"] = str(os.getpid())
+    return env
+
+
 def check_layout(workers: int, servers: int, local_size: int | None,
                  min_servers: int = 1) -> int:
     """Validates a local cluster's shape and returns the effective local size.
@@ -184,18 +201,7 @@ class LocalServices:
         env = self._common_env(role)
         if self.serve_next_job:
             env[SERVE_NEXT_JOB_VAR] = "1"
-        # Role processes must import the same bpstrain as we do, even when it is
-        # only on our sys.path (e.g. a notebook next to a source checkout). An
-        # installed copy is found anyway; putting site-packages first would let
-        # stale backports there shadow the standard library.
-        if Path(_PACKAGE_PARENT).name not in ("site-packages", "dist-packages"):
-            path = env.get("PYTHONPATH")
-            env["PYTHONPATH"] = _PACKAGE_PARENT + (os.pathsep + path if path else "")
-        if threading.current_thread() is threading.main_thread():
-            # Lets the role arm PR_SET_PDEATHSIG; only from the main thread, since
-            # the signal fires when the *thread* that forked exits.
-            env["BPSTRAIN_LAUNCH_PARENT"] = str(os.getpid())
-        return env
+        return role_process_env(env)
 
     def start(self) -> "LocalServices":
         """Starts the scheduler, then the servers. Returns ``self``.
