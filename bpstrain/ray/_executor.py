@@ -32,23 +32,19 @@ its node and Ray's reason; call :meth:`RayExecutor.shutdown` and start again.
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from bpstrain.errors import BpsError, ConfigError
-from bpstrain.ray._actors import RoleActor, WorkerActor
+from bpstrain.errors import ConfigError
+from bpstrain.ray._actors import (RayExecutorError, RoleActor, WorkerActor, describe, job_env,
+                                  place, serve_roles, worker_env)
 
 _GRACE_S = 2.0  # after a first failure, how long to let the others report theirs
 _TEARDOWN_S = 10.0
-
-
-class RayExecutorError(BpsError):
-    """A bpstrain job on Ray failed: an actor or its node died, or a worker raised."""
 
 
 @dataclasses.dataclass
@@ -73,15 +69,6 @@ def _positive(name: str, value: Any, minimum: float = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
         raise ConfigError(f"RayExecutor's {name} must be a number >= {minimum}. "
                           f"Received: {name}={value!r}")
-
-
-def _describe(err: BaseException) -> str:
-    """Ray's reason in one line, without its traceback banner."""
-    if isinstance(err, ray.exceptions.RayTaskError):
-        cause = err.cause if getattr(err, "cause", None) is not None else err
-        return f"{type(cause).__name__}: {cause}".splitlines()[0] if str(cause) else type(cause).__name__
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text[:400]}"
 
 
 class RayExecutor:
@@ -161,17 +148,8 @@ class RayExecutor:
                 [{k: v for k, v in server.items() if v} for _ in range(self.num_servers)])
 
     def _place(self, bundles: List[dict], strategy: str, what: str):
-        group = placement_group(bundles, strategy=strategy)
-        self._groups.append(group)
-        limit = self.settings.placement_group_timeout_s
-        if not group.wait(limit):
-            raise RayExecutorError(
-                f"the placement group of the {what} ({len(bundles)} bundles {bundles[0]}, "
-                f"strategy {strategy}) was not placed within {limit:g} s "
-                "(settings.placement_group_timeout_s): the cluster has "
-                f"{ray.available_resources()} available. Lower the request, add nodes, or "
-                "check server_resources names a resource some nodes have")
-        return group
+        return place(bundles, strategy, what, self.settings.placement_group_timeout_s,
+                     self._groups)
 
     def start(self) -> "RayExecutor":
         """Places and starts every actor and waits until the job has formed.
@@ -221,25 +199,12 @@ class RayExecutor:
             [self.scheduler.node.remote(), self.scheduler.free_port.remote()], limit, "scheduler")
         self.server_nodes = self._get([s.node.remote() for s in self.servers], limit, "servers")
         self.worker_nodes = self._get([w.node.remote() for w in self.workers], limit, "workers")
-        common = {**self.settings.env,
-                  "DMLC_PS_ROOT_URI": self.scheduler_node["ip"], "DMLC_PS_ROOT_PORT": str(port),
-                  "DMLC_NUM_WORKER": str(self.num_workers),
-                  "DMLC_NUM_SERVER": str(self.num_servers), "BYTEPS_LOCAL_SIZE": "1",
-                  "BPSTRAIN_SECRET": self.settings.secret or secrets.token_hex(32),
-                  "BPSTRAIN_RENDEZVOUS_TIMEOUT": str(limit)}
-
-        def env(role: str, node: dict, **more) -> dict:
-            return {**common, "DMLC_ROLE": role, "DMLC_NODE_HOST": node["ip"],
-                    "BPSTRAIN_HOST_ID": f"ray-{node['node_id']}", **more}
-
-        self._roles = {self.scheduler.serve.remote("scheduler", env("scheduler", self.scheduler_node)):
-                       "scheduler"}
-        for j, (server, node) in enumerate(zip(self.servers, self.server_nodes)):
-            ref = server.serve.remote("server", env("server", node, DMLC_SERVER_ID=str(j)))
-            self._roles[ref] = f"server {j}"
+        common = job_env(self.scheduler_node, port, self.num_workers, self.num_servers,
+                         self.settings.secret, limit, self.settings.env)
+        self._roles = serve_roles(self.scheduler, self.scheduler_node, self.servers,
+                                  self.server_nodes, common)
         cls, args, kwargs = self._executable
-        setups = [w.setup.remote(env("worker", node, DMLC_WORKER_ID=str(i), BYTEPS_LOCAL_RANK="0"),
-                                 cls, args, kwargs)
+        setups = [w.setup.remote(worker_env(common, i, node), cls, args, kwargs)
                   for i, (w, node) in enumerate(zip(self.workers, self.worker_nodes))]
         ranks = self._gather(setups, limit + 5.0, "joining the job")
         expected = [(i, self.num_workers) for i in range(self.num_workers)]
@@ -254,7 +219,7 @@ class RayExecutor:
         try:
             return ray.get(refs)
         except ray.exceptions.RayError as err:
-            raise RayExecutorError(f"a {what} actor failed to start: {_describe(err)}") from err
+            raise RayExecutorError(f"a {what} actor failed to start: {describe(err)}") from err
 
     # -- running -------------------------------------------------------------------------
 
@@ -308,8 +273,8 @@ class RayExecutor:
     def _failure(self, rank: Optional[int], ref: Any, err: BaseException):
         who = self._where(rank) if rank is not None else f"the {self._roles.get(ref, 'role')}"
         if isinstance(err, ray.exceptions.RayActorError):
-            return 0, f"{who} died: its Ray actor or node was lost ({_describe(err)})", err
-        return 2, f"{who} failed: {_describe(err)}", err
+            return 0, f"{who} died: its Ray actor or node was lost ({describe(err)})", err
+        return 2, f"{who} failed: {describe(err)}", err
 
     def run(self, fn: Callable, args: Sequence = (), kwargs: Optional[Mapping[str, Any]] = None,
             timeout_s: Optional[float] = None) -> List[Any]:

@@ -140,3 +140,45 @@ def test_placement_that_cannot_be_met_is_a_clear_error(ray_cluster):
     with pytest.raises(RayExecutorError, match="was not placed within 3 s"):
         executor.start()
     assert executor.workers == [] and executor._groups == []
+
+
+# -- Ray Train: BpstrainTrainer ---------------------------------------------------------
+
+
+def _train_loop(config):
+    import json
+    import os
+
+    import bpstrain.engine as bps
+
+    bps.init()  # the backend formed the job already: a no-op
+    total = bps.push_pull(np.full(8, bps.rank() + 1, np.float32), name="t", average=False)
+    info = {"rank": bps.rank(), "size": bps.size(), "sum": float(total[0]),
+            "world_rank": ray.train.get_context().get_world_rank(),
+            "node": ray.get_runtime_context().get_node_id()}
+    with open(os.path.join(config["out"], f"rank{bps.rank()}.json"), "w") as f:
+        json.dump(info, f)
+    ray.train.report({"sum": float(total[0])})
+
+
+def test_bpstrain_trainer_fits_on_ray_train_with_servers_on_cpu_nodes(ray_cluster, tmp_path):
+    pytest.importorskip("ray.train", reason='Ray Train is not installed: pip install "ray[train]"')
+    import json
+
+    from ray.train import RunConfig, ScalingConfig
+
+    from bpstrain.ray import BpstrainConfig, BpstrainTrainer
+
+    trainer = BpstrainTrainer(
+        _train_loop, train_loop_config={"out": str(tmp_path)},
+        # gpu_node: 1 per worker puts the two workers on nodes 1 and 2.
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, "gpu_node": 1}),
+        bpstrain_config=BpstrainConfig(num_servers=2, server_resources={"cpu_node": 1}),
+        run_config=RunConfig(storage_path=str(tmp_path / "results"), name="bps"))
+    result = trainer.fit()
+    assert result.error is None
+    infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(i["rank"], i["world_rank"], i["size"], i["sum"]) for i in infos] == [
+        (0, 0, 2, 3.0), (1, 1, 2, 3.0)]
+    assert sorted(ray_cluster.node_ids[i["node"]] for i in infos) == ["node_1", "node_2"]
+    assert _wait_gone([]) == []
