@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     plan = TrainPlan(models=args.models, hosts=args.hosts, servers=args.servers,
                      rate_mbit=args.rate_mbit, batch_size=args.batch_size,
                      image_size=args.image_size, num_classes=args.num_classes, iters=args.iters,
-                     warmup=args.warmup, fp16=args.fp16, systems=args.systems,
+                     warmup=args.warmup, fp16=args.fp16, device=args.device, systems=args.systems,
                      loopback=args.loopback, timeout_s=args.timeout)
     try:
         rows = run(plan)
