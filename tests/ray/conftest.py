@@ -29,6 +29,7 @@ def ray_cluster():
     nodes = []
     for i in range(1, NODES + 1):
         kind = "gpu_node" if i <= 2 else "cpu_node"
+        # One at a time: raylets started side by side time out on a loaded 2-core machine.
         nodes.append(cluster.add_node(**common, resources={f"node_{i}": 1, kind: 1}))
     cluster.wait_for_nodes()
     os.environ["RAY_ADDRESS"] = cluster.address

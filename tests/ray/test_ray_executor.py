@@ -124,6 +124,7 @@ def test_a_killed_worker_actor_is_a_clear_error_and_shutdown_leaves_nothing(ray_
         with pytest.raises(RayExecutorError) as info:
             executor.run(_slow_steps, args=(600,))
         message = str(info.value)
+        print("killed worker ->", message)
         assert "worker rank 1" in message and "died" in message, message
         assert time.monotonic() - refs_started < 30
         with pytest.raises(RayExecutorError, match="has failed"):
