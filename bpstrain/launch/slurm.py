@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from typing import Callable, Mapping, Sequence
 
 from bpstrain.errors import ConfigError
@@ -321,6 +322,11 @@ def run_task(task: SlurmTask, cmd: Sequence[str], environ: Mapping[str, str],
     services: list[Child] = []
     workers: list[Child] = []
     log(task.describe())
+    if threading.current_thread() is threading.main_thread():
+        # `#SBATCH --signal=USR1@T` signals every process of the step; by default it would
+        # kill them. Ignored here and (inherited) in the roles and workers; a worker that
+        # wants it (to checkpoint) installs its own handler.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         if task.scheduler:
             services.append(Child("scheduler", role_cmd,

@@ -4,7 +4,7 @@ import pytest
 from slurm_cluster import SlurmCluster, missing
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def slurm():
     """A started :class:`SlurmCluster` of 4 nodes; skips with the reason when impossible."""
     reason = missing()

@@ -1,0 +1,78 @@
+"""recipes/slurm.sbatch under a real Slurm: a batch job of 4 nodes x 2 workers, and the
+requeue when SIGUSR1 (what ``#SBATCH --signal=B:USR1@90`` sends) reaches the batch job."""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+RECIPE = REPO / "recipes" / "slurm.sbatch"
+ENV = {"BPSTRAIN_RENDEZVOUS_TIMEOUT": "60", "PYTHONPATH": str(REPO),
+       "BPSTRAIN_PYTHON": sys.executable}
+
+
+def _sbatch(slurm, out: Path, *args: str) -> int:
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={out}", f"--chdir={REPO}",
+                           "--time=5", "--cpus-per-task=1", str(RECIPE), *args], env={**slurm.env, **ENV},
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.strip().split(";")[0])
+
+
+def _job(slurm, job: int) -> dict:
+    out = subprocess.run(["scontrol", "-o", "show", "job", str(job)], env=slurm.env,
+                         capture_output=True, text=True, timeout=20).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def _wait(what, timeout: float, describe):
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, describe()
+        time.sleep(0.5)
+
+
+@pytest.mark.timeout(90)
+def test_the_sbatch_recipe_runs_a_job_on_4_nodes_of_2(slurm, tmp_path):
+    out = tmp_path / "job.out"
+    job = _sbatch(slurm, out, sys.executable, str(REPO / "tests" / "launch" / "e2e_worker.py"))
+    _wait(lambda: _job(slurm, job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"),
+          75, lambda: f"{_job(slurm, job)}\n{out.read_text() if out.exists() else ''}")
+    text = out.read_text()
+    assert _job(slurm, job)["JobState"] == "COMPLETED", text
+    for rank in range(8):
+        assert f"[worker {rank}] rank {rank} of 8: sum 36 expected 36" in text, text
+
+
+@pytest.mark.timeout(120)
+def test_usr1_before_the_time_limit_requeues_the_job_which_runs_again(slurm, tmp_path):
+    out = tmp_path / "job.out"
+    job = _sbatch(slurm, out, sys.executable, str(HERE / "hold_worker.py"))
+    read = lambda: out.read_text() if out.exists() else ""  # noqa: E731
+    _wait(lambda: len(re.findall(r"rank \d launcher", read())) == 8, 60,
+          lambda: f"{_job(slurm, job)}\n{read()}")
+    # As `--signal=B:USR1@90` would, but now; --full reaches the job's steps too, whose
+    # launchers and roles must not die of it.
+    subprocess.run(["scancel", "--full", "--signal=USR1", str(job)], env=slurm.env,
+                   check=True, timeout=20)
+    _wait(lambda: _job(slurm, job).get("Restarts") == "1", 30,
+          lambda: f"{_job(slurm, job)}\n{read()}")
+
+    def finished() -> bool:
+        state = _job(slurm, job)
+        if state.get("Reason") == "BeginTime":  # a requeued job waits 2 min: start it now
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
+                           env=slurm.env, capture_output=True, timeout=20)
+        return state.get("JobState") in ("COMPLETED", "FAILED")
+    _wait(finished, 60, lambda: f"{_job(slurm, job)}\n{read()}")
+    text = read()
+    assert _job(slurm, job)["JobState"] == "COMPLETED", text
+    assert "[sbatch] SIGUSR1: the time limit is near; requeueing job" in text, text
+    assert f"[sbatch] job {job}, run 1," in text, text
+    for rank in range(8):
+        assert f"rank {rank} done: sum 8" in text, text
