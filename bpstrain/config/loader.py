@@ -338,6 +338,7 @@ def _validate(cfg: Config) -> None:
     if c.secret is not None and not c.secret:
         raise _fail("cluster.secret", "a non-empty string or null", c.secret)
     _choice("cluster.start_method", c.start_method, schema.START_METHODS)
+    _choice("cluster.launcher", c.launcher, schema.LAUNCHERS)
 
     for key, (_, knob) in schema.comm_knobs().items():  # the bounds env.py applies too
         value = getattr(m, key)

@@ -30,6 +30,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad")
 LR_SCHEDULES = ("constant", "cosine", "step")
 DATASETS = ("synthetic", "digits", "image_folder")
 START_METHODS = ("auto", "spawn", "forkserver", "fork")
+LAUNCHERS = ("auto", "local", "ray")  # cluster.launcher; auto = local
 DEVICES = ("auto", "cpu", "cuda")
 HIERARCHICAL = ("auto", "true", "false")
 PRECISIONS = ("32", "bf16", "16")
@@ -219,6 +220,9 @@ class ClusterConfig:
     host: str = "127.0.0.1"  # scheduler address (DMLC_PS_ROOT_URI)
     port: int = 0  # scheduler port (DMLC_PS_ROOT_PORT); 0 = pick a free one
     start_method: str = "auto"  # one of START_METHODS; auto = fork only when safe
+    # Where fit's workers run: local = child processes here; ray = actors on the Ray
+    # cluster this process is attached to (bpstrain.ray.RayExecutor; pip install bpstrain[ray]).
+    launcher: str = "auto"  # one of LAUNCHERS
 
 
 @dataclass

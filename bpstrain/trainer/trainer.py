@@ -34,7 +34,7 @@ from bpstrain.trainer.history import History
 
 
 def launch_mode(config: DictConfig, environ=None) -> str:
-    """``"rank"`` (inside a launched job), ``"in_process"`` or ``"local_cluster"``."""
+    """``"rank"`` (inside a launched job), ``"in_process"``, ``"local_cluster"`` or ``"ray"``."""
     environ = os.environ if environ is None else environ
     role = environ.get("DMLC_ROLE")
     if role == "worker":
@@ -42,6 +42,8 @@ def launch_mode(config: DictConfig, environ=None) -> str:
     if role:
         raise ConfigError("Trainer.fit runs in worker processes; scheduler and server processes "
                           f"run `python -m bpstrain.launch`. Received: DMLC_ROLE={role}")
+    if config.cluster.get("launcher", "auto") == "ray":
+        return "ray"
     return "in_process" if config.cluster.workers == 1 else "local_cluster"
 
 
@@ -207,6 +209,10 @@ class Trainer:
             from bpstrain.trainer._local_cluster import LocalClusterLauncher
 
             return LocalClusterLauncher(self).launch(model, data, val_data)
+        if mode == "ray":
+            from bpstrain.ray._fit import fit_on_ray
+
+            return fit_on_ray(self, model, data, val_data)
         from bpstrain.trainer.callbacks.progress import TqdmSink
 
         return self.fit_rank(model, data, val_data, TqdmSink(), joined=mode == "rank",

@@ -183,3 +183,27 @@ def test_bpstrain_trainer_fits_on_ray_train_with_servers_on_cpu_nodes(ray_cluste
         (0, 0, 2, 3.0), (1, 1, 2, 3.0)]
     assert sorted(ray_cluster.node_ids[i["node"]] for i in infos) == ["node_1", "node_2"]
     assert _wait_gone([]) == []
+
+
+# -- Trainer(config).fit with cluster.launcher: ray --------------------------------------
+
+
+def test_trainer_fit_with_cluster_launcher_ray_trains_on_actors(ray_cluster, tmp_path):
+    torch = pytest.importorskip("torch")
+    from bpstrain.trainer import Trainer
+    from tests.trainer.helpers import base_config, blobs, tiny_net
+
+    x, y = blobs(256)
+    model = tiny_net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(base_config(tmp_path, **{"cluster.workers": 2, "cluster.servers": 1,
+                                               "cluster.launcher": "ray", "trainer.epochs": 2,
+                                               "comm.op_timeout": 30.0}))
+    history = trainer.fit(model, (x, y), val_data=(x, y))
+    assert len(history) == 2 and history.last["val_accuracy"] > 0.5
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():  # rank 0's trained weights came back
+        accuracy = (model(torch.from_numpy(x)).argmax(1).numpy() == y).mean()
+    assert accuracy == pytest.approx(history.last["val_accuracy"], abs=1e-6)
+    assert (trainer.run_dir / "config.yaml").is_file()  # rank 0's node is this machine
+    assert _wait_gone([]) == []
