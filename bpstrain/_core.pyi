@@ -69,7 +69,7 @@ class Worker:
         """Declares ``name`` now; another dtype/shape/device/layout later declares it afresh."""
     def enqueue(self, name: str, dtype: str, shape: Sequence[int], input: Buffer, output: Buffer,
                 op: Op, root: int = 0, priority: int = 0, participants: int = 0,
-                device: str = "cpu", layout: str = "") -> int:
+                device: str = "cpu", layout: str = "", partition_bytes: int = 0) -> int:
         """Returns a handle (>= 1); buffers must stay alive. ``device`` and ``layout`` are
         compared across ranks with the shape and dtype."""
     def enqueue_at(self, name: str, dtype: str, shape: Sequence[int], input: int, output: int,

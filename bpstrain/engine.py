@@ -359,7 +359,7 @@ def enqueue(
 def submit(name: str, dtype: str, shape, src, dst, op: Op, root: int = 0, priority: int = 0,
            participants: int = 0, device: str = "cpu", layout: str = "", result: Any = None,
            then: Optional[Callable[[Any], Any]] = None,
-           wrap: Optional[Callable[[Any], Any]] = None) -> int:
+           wrap: Optional[Callable[[Any], Any]] = None, partition_bytes: int = 0) -> int:
     """Low level, for adapters that validated their input: queues one operation on buffers.
 
     ``src``/``dst`` are C-contiguous buffers of ``shape`` (0-d: pass ``(1,)``) in
@@ -372,6 +372,8 @@ def submit(name: str, dtype: str, shape, src, dst, op: Op, root: int = 0, priori
         wrap: called with ``dst`` once the operation is queued, its value becoming the
             result: an adapter's conversion runs while the network works instead of
             before every rank can start.
+        partition_bytes: > 0 for a piece the adapter cut itself (CUDA staging chunks):
+            the engine sends it in partitions of this size instead of cutting it again.
     """
     state = _state or _require()
     worker = state.worker
@@ -384,7 +386,7 @@ def submit(name: str, dtype: str, shape, src, dst, op: Op, root: int = 0, priori
         pending = None
     else:
         handle = worker.enqueue(name, dtype, shape, src, dst, op, root, priority, participants,
-                                device, layout)
+                                device, layout, partition_bytes)
         pending = src, dst
     if wrap is not None:
         result = wrap(dst)

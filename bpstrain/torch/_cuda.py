@@ -182,9 +182,12 @@ class Stager:
             if event is not None:
                 event.synchronize()  # releases the GIL
             view = _tensors.host_view(op.host[c.start:c.stop], c.shape)
+            # Each chunk is one partition: the engine's automatic size would cut a
+            # chunk again into up to 64 KiB pieces (its rule for a tensor of a few MB
+            # spread over the servers), which measured 17% slower on VGG-16 (H200).
             op.handles.append(engine.submit(c.name, dtype, c.shape, view, view, op.op, op.root,
                                             op.priority, device=op.host_device.type,
-                                            layout=c.layout))
+                                            layout=c.layout, partition_bytes=self.chunk_bytes))
 
     def _copy_to_host(self, op: CudaOp) -> List[Optional[torch.cuda.Event]]:
         """Queues the D2H copies of every chunk; returns one event per chunk."""

@@ -475,18 +475,22 @@ PYBIND11_MODULE(_core, m) {
           "enqueue",
           [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
              py::buffer input, py::buffer output, Op op, int root, int priority, int participants,
-             const std::string& device, const std::string& layout) {
+             const std::string& device, const std::string& layout, int64_t partition_bytes) {
             BufferView in = View(input, false, "input"), out = View(output, true, "output");
             OpRequest r = MakeRequest(name, dtype, std::move(shape), op, root, priority, participants, device,
                                       layout, in, out);
+            if (partition_bytes < 0)
+              throw Error(Error::kConfig, "partition_bytes must be >= 0. Received: " + std::to_string(partition_bytes));
+            r.partition_bytes = partition_bytes;
             py::gil_scoped_release nogil;
             return w.Enqueue(r);
           },
           py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("input"), py::arg("output"),
           py::arg("op"), py::arg("root") = 0, py::arg("priority") = 0, py::arg("participants") = 0,
-          py::arg("device") = "cpu", py::arg("layout") = "",
+          py::arg("device") = "cpu", py::arg("layout") = "", py::arg("partition_bytes") = 0,
           "Queues one operation (`op`: Op.SUM, Op.AVERAGE or Op.BROADCAST); returns its handle.\n"
-          "`device` and `layout` are compared across ranks with the shape and dtype.")
+          "`device` and `layout` are compared across ranks with the shape and dtype;\n"
+          "`partition_bytes` > 0 overrides the worker's partition size for this tensor.")
       .def(
           "enqueue_at",
           [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,

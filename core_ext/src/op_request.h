@@ -28,6 +28,9 @@ struct OpRequest {
   // declaration, so ranks that disagree fail with MismatchError instead of mixing.
   std::string device = "cpu";
   std::string layout;
+  // > 0: this tensor's partition size, for an adapter that already cut a tensor into
+  // pieces (CUDA staging chunks) that the engine should not cut again; 0 = the worker's.
+  int64_t partition_bytes = 0;
 };
 
 // A worker's record of one queued operation (defined in worker.cc); the policy and the

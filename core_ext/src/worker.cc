@@ -174,7 +174,8 @@ std::shared_ptr<TensorDecl> Worker::DeclareLocked(const OpRequest& req, int part
   if (failed_) throw Error(fail_kind_, "the engine failed earlier: " + fail_msg_);
   if (!ready_) throw Error(Error::kGeneric, "the worker is not initialized; call init() first");
   std::string declare;
-  auto t = registry_.Use(req, participants ? participants : size_, opts_.partition_bytes, link_.bytes_per_s, &declare);
+  const int64_t partition = req.partition_bytes > 0 ? req.partition_bytes : opts_.partition_bytes;
+  auto t = registry_.Use(req, participants ? participants : size_, partition, link_.bytes_per_s, &declare);
   if (!declare.empty()) control_.Send(MsgType::kDeclare, declare);  // queued, not sent under mu_
   return t;
 }
