@@ -233,12 +233,15 @@ def plan(environ: Mapping[str, str], local_size: int | None = None, port: int | 
     """
     het_id = [environ[v] for v in _HET_JOB_ID_VARS if (environ.get(v) or "").isdigit()]
     job_id = int(het_id[0]) if het_id else _int_var(environ, "SLURM_JOB_ID", "SLURM_JOBID")
-    step_name, step_raw = _need(environ, "SLURM_STEP_ID", "SLURM_STEPID")
+    step_name, step_raw = next(((n, environ[n].strip()) for n in ("SLURM_STEP_ID",
+                                "SLURM_STEPID") if (environ.get(n) or "").strip()),
+                               ("SLURM_STEP_ID", ""))
     if not step_raw.isdigit():
+        received = f"{step_name}={step_raw!r}" if step_raw else "SLURM_STEP_ID unset"
         raise ConfigError(
-            f"--slurm runs in the tasks of an srun step, not in the batch script itself: "
-            f"start it with `srun ... python -m bpstrain.launch --slurm -- CMD`. "
-            f"Received: {step_name}={step_raw!r}")
+            "--slurm runs in the tasks of an srun step, not in the batch script or an "
+            "salloc shell itself: start it with `srun ... python -m bpstrain.launch --slurm "
+            f"-- CMD`. Received: {received}")
     local_id = _int_var(environ, "SLURM_LOCALID")
     _, node = _need(environ, "SLURMD_NODENAME")
     nodes_var, nodes_raw = _need(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",

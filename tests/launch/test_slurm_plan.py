@@ -88,9 +88,9 @@ def test_heterogeneous_step_gives_later_components_the_servers():
     (_env("n1", 0), {"local_size": 2}, "run one task per node"),
     (_env("n1", 0, tasks="2(x3)"), {}, "one count per node"),
     (_env("n9", 0), {}, "SLURMD_NODENAME='n9' is not in the step's nodes"),
-    (_env("n1", 0, SLURM_STEP_ID="batch"), {}, "not in the batch script itself"),
+    (_env("n1", 0, SLURM_STEP_ID="batch"), {}, "batch script or an salloc shell itself. .*SLURM_STEP_ID='batch'"),
     (_env("n1", 0), {"mixed": False}, "--no-mixed leaves the job without a server"),
-    ({"SLURM_JOB_ID": "5"}, {}, "SLURM_STEP_ID is not set"),
+    ({"SLURM_JOB_ID": "5"}, {}, "not in the batch script or an salloc shell itself"),
     (_env("n1", 0, SLURM_JOB_NODELIST_HET_GROUP_0="n[1-3]",
           SLURM_JOB_NODELIST_HET_GROUP_1="n[3-4]"), {}, "node n3 belongs to several"),
 ])

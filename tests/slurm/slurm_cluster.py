@@ -162,7 +162,8 @@ class SlurmCluster:
             parts.append(f"--- {path.name}\n" + "\n".join(lines))
         return "\n".join(parts)
 
-    def srun(self, *args: str, timeout: float = 90, **extra_env: str) -> subprocess.CompletedProcess:
+    def srun(self, *args: str, timeout: float = 90,
+             **extra_env: str) -> subprocess.CompletedProcess:
         """``srun ARGS`` in this cluster, its output captured as text."""
         return subprocess.run(["srun", *args], env={**self.env, **extra_env},
                               stdin=subprocess.DEVNULL, capture_output=True, text=True,

@@ -1,5 +1,6 @@
-"""recipes/slurm.sbatch under a real Slurm: a batch job of 4 nodes x 2 workers, and the
-requeue when SIGUSR1 (what ``#SBATCH --signal=B:USR1@90`` sends) reaches the batch job."""
+"""recipes/slurm.sbatch under a real Slurm: a batch job of 4 nodes x 2 workers that
+SIGUSR1 (what ``#SBATCH --signal=B:USR1@90`` sends) requeues, and whose second run
+completes the job."""
 
 import re
 import subprocess
@@ -18,8 +19,8 @@ ENV = {"BPSTRAIN_RENDEZVOUS_TIMEOUT": "60", "PYTHONPATH": str(REPO),
 
 def _sbatch(slurm, out: Path, *args: str) -> int:
     proc = subprocess.run(["sbatch", "--parsable", f"--output={out}", f"--chdir={REPO}",
-                           "--time=5", "--cpus-per-task=1", str(RECIPE), *args], env={**slurm.env, **ENV},
-                          capture_output=True, text=True, timeout=30)
+                           "--time=5", "--cpus-per-task=1", str(RECIPE), *args],
+                          env={**slurm.env, **ENV}, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.strip().split(";")[0])
 
@@ -35,18 +36,6 @@ def _wait(what, timeout: float, describe):
     while not what():
         assert time.monotonic() < deadline, describe()
         time.sleep(0.5)
-
-
-@pytest.mark.timeout(90)
-def test_the_sbatch_recipe_runs_a_job_on_4_nodes_of_2(slurm, tmp_path):
-    out = tmp_path / "job.out"
-    job = _sbatch(slurm, out, sys.executable, str(REPO / "tests" / "launch" / "e2e_worker.py"))
-    _wait(lambda: _job(slurm, job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"),
-          75, lambda: f"{_job(slurm, job)}\n{out.read_text() if out.exists() else ''}")
-    text = out.read_text()
-    assert _job(slurm, job)["JobState"] == "COMPLETED", text
-    for rank in range(8):
-        assert f"[worker {rank}] rank {rank} of 8: sum 36 expected 36" in text, text
 
 
 @pytest.mark.timeout(120)
