@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-ray = pytest.importorskip("ray", reason='Ray is not installed: pip install -e ".[ray]"')
-
 _MB = 2**20
 NODES = 4
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    # Imported here: a skip raised while a conftest loads is an error, not a skip.
+    ray = pytest.importorskip("ray", reason='Ray is not installed: pip install -e ".[ray]"')
     from ray.cluster_utils import Cluster
 
     began = time.monotonic()
