@@ -1,8 +1,15 @@
 """Fixtures shared by the test folders."""
 
 import os
+import signal
 
 import pytest
+
+# A shell runs background jobs with SIGINT ignored, and an ignored signal stays ignored in
+# every child: the Ctrl-C tests would then test nothing. Python's own handler here makes
+# children start with the default disposition again (a handled signal resets on exec).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
