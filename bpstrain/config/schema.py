@@ -30,7 +30,8 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad")
 LR_SCHEDULES = ("constant", "cosine", "step")
 DATASETS = ("synthetic", "digits", "image_folder")
 START_METHODS = ("auto", "spawn", "forkserver", "fork")
-LAUNCHERS = ("auto", "local", "ray")  # cluster.launcher; auto = local
+# cluster.launcher; auto = slurm in a task of an srun step of several tasks, else local
+LAUNCHERS = ("auto", "local", "ray", "slurm")
 DEVICES = ("auto", "cpu", "cuda")
 HIERARCHICAL = ("auto", "true", "false")
 PRECISIONS = ("32", "bf16", "16")

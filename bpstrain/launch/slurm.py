@@ -23,6 +23,7 @@ task waits for peers that are gone.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
@@ -217,7 +218,8 @@ def _resolve(node: str, variable: str, resolve: Callable[[str], str]) -> str:
 
 def plan(environ: Mapping[str, str], local_size: int | None = None, port: int | None = None,
          mixed: bool | None = None,
-         resolve: Callable[[str], str] = socket.gethostbyname) -> SlurmTask:
+         resolve: Callable[[str], str] = socket.gethostbyname,
+         rank_per_task: bool = False) -> SlurmTask:
     """Works out this task's part of the job from Slurm's variables.
 
     Args:
@@ -227,6 +229,8 @@ def plan(environ: Mapping[str, str], local_size: int | None = None, port: int | 
         mixed: ``--mixed``: a server on every worker node; ``None`` = when there are
             fewer dedicated servers than worker nodes.
         resolve: Node name to address.
+        rank_per_task: Every task is exactly one worker (the Trainer in the task itself):
+            no local size from the GPU variables.
 
     Raises:
         ConfigError: When the allocation cannot form a job; the message names the variable.
@@ -270,7 +274,7 @@ def plan(environ: Mapping[str, str], local_size: int | None = None, port: int | 
             "--local-size L starts L workers in each task: run one task per node "
             f"(srun --ntasks-per-node=1), or leave --local-size out for one task per worker. "
             f"Received: --local-size={local_size}, {counts_var}={counts_raw!r}")
-    if local_size is None and tasks_per_node == 1:
+    if local_size is None and tasks_per_node == 1 and not rank_per_task:
         gpus = environ.get("SLURM_GPUS_ON_NODE", "").strip()
         local_size = int(gpus) if gpus.isdigit() and int(gpus) > 0 else None
     size = local_size or tasks_per_node
@@ -299,6 +303,24 @@ def plan(environ: Mapping[str, str], local_size: int | None = None, port: int | 
                      tuple(workers), tuple(servers), env, f"{job_id}.{step_raw}")
 
 
+def _base_env(task: SlurmTask, environ: Mapping[str, str]) -> dict[str, str]:
+    base = {k: v for k, v in environ.items() if k not in _PER_PROCESS_VARS}
+    base.update(task.env, PYTHONUNBUFFERED="1")
+    return base
+
+
+def _start_services(task: SlurmTask, base: Mapping[str, str], into: list,
+                    on_exit: Callable | None = None) -> None:
+    """Starts this task's scheduler and server (those it has), appending them to ``into``."""
+    role_cmd = (sys.executable, "-m", "bpstrain.launch")
+    if task.scheduler:
+        into.append(Child("scheduler", role_cmd,
+                          role_process_env({**base, "DMLC_ROLE": "scheduler"}), on_exit))
+    if task.server_id is not None:
+        env = {**base, "DMLC_ROLE": "server", "DMLC_SERVER_ID": str(task.server_id)}
+        into.append(Child(f"server {task.server_id}", role_cmd, role_process_env(env), on_exit))
+
+
 def _cancel_step(job: str, why: str) -> None:
     """Ends every task of the step (the failed one has already stopped its processes)."""
     log(f"{why}; cancelling Slurm step {job} so that no other task waits for it")
@@ -319,9 +341,7 @@ def run_task(task: SlurmTask, cmd: Sequence[str], environ: Mapping[str, str],
         step was cancelled); 128+N when the task got signal N.
     """
     events: queue.Queue = queue.Queue()
-    base = {k: v for k, v in environ.items() if k not in _PER_PROCESS_VARS}
-    base.update(task.env, PYTHONUNBUFFERED="1")
-    role_cmd = (sys.executable, "-m", "bpstrain.launch")
+    base = _base_env(task, environ)
     services: list[Child] = []
     workers: list[Child] = []
     log(task.describe())
@@ -331,14 +351,7 @@ def run_task(task: SlurmTask, cmd: Sequence[str], environ: Mapping[str, str],
         # wants it (to checkpoint) installs its own handler.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
-        if task.scheduler:
-            services.append(Child("scheduler", role_cmd,
-                                  role_process_env({**base, "DMLC_ROLE": "scheduler"}),
-                                  events.put))
-        if task.server_id is not None:
-            env = {**base, "DMLC_ROLE": "server", "DMLC_SERVER_ID": str(task.server_id)}
-            services.append(Child(f"server {task.server_id}", role_cmd, role_process_env(env),
-                                  events.put))
+        _start_services(task, base, services, events.put)
         for local_rank in task.local_ranks:
             rank = task.worker_id * task.local_size + local_rank
             env = {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(task.worker_id),
@@ -371,3 +384,62 @@ def launch_slurm(cmd: Sequence[str], environ: Mapping[str, str] | None = None,
     environ = os.environ if environ is None else environ
     task = plan(environ, local_size, port, mixed)
     return run_task(task, cmd, environ, grace, service_timeout)
+
+
+def in_srun_step(environ: Mapping[str, str] | None = None) -> bool:
+    """True in a task of an srun step of more than one task (what ``auto`` takes for Slurm)."""
+    environ = os.environ if environ is None else environ
+    step = (environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID") or "").strip()
+    tasks = (environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or "").strip()
+    return (step.isdigit() and bool(environ.get("SLURM_LOCALID"))
+            and tasks.isdigit() and int(tasks) > 1)
+
+
+@contextlib.contextmanager
+def rank_in_this_process(grace: float = DEFAULT_GRACE):
+    """This srun task as one worker rank of the step's job, in this very process.
+
+    What the Trainer does under ``srun python train.py`` (``cluster.launcher: slurm``, or
+    ``auto`` in a step of several tasks): this task starts the scheduler and server that
+    Slurm's placement gives it (as :func:`launch_slurm` would) and sets the worker's
+    ``DMLC_*`` variables in ``os.environ`` for ``bpstrain.engine.init``. On leaving, it
+    waits for its roles to end (they do once every worker has shut down) and restores the
+    environment; when the body raises, it stops them and cancels the step.
+
+    Yields:
+        The :class:`SlurmTask`.
+
+    Raises:
+        ConfigError: When the Slurm allocation cannot form a job.
+        bpstrain.errors.PeerError: When this task's scheduler or server failed.
+    """
+    from bpstrain.errors import PeerError
+
+    task = plan(os.environ, rank_per_task=True)
+    if task.worker_id is None:
+        raise ConfigError(
+            f"node {task.node} is in a server component of a heterogeneous step, which "
+            "the Trainer cannot serve from inside the training script: start the step with "
+            "`srun ... python -m bpstrain.launch --slurm -- python train.py`")
+    services: list[Child] = []
+    saved = dict(os.environ)
+    try:
+        _start_services(task, _base_env(task, os.environ), services)
+        os.environ.update(task.env, DMLC_ROLE="worker", DMLC_WORKER_ID=str(task.worker_id),
+                          BYTEPS_LOCAL_RANK=str(task.local_ranks[0]))
+        yield task
+        for child in services:  # they end once every worker of the job has shut down
+            child.wait(None)
+        failed = [c for c in services if c.returncode]
+        if failed:
+            raise PeerError(f"{failed[0].label} on node {task.node} exited with code "
+                            f"{failed[0].returncode}; its output above says why")
+    except BaseException as exc:
+        stop_children(services, grace)
+        if not isinstance(exc, KeyboardInterrupt):
+            _cancel_step(task.job, f"training on node {task.node} failed ({exc!r:.200})")
+        raise
+    finally:
+        stop_children(services, grace)
+        os.environ.clear()
+        os.environ.update(saved)

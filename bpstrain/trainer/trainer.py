@@ -34,7 +34,8 @@ from bpstrain.trainer.history import History
 
 
 def launch_mode(config: DictConfig, environ=None) -> str:
-    """``"rank"`` (inside a launched job), ``"in_process"``, ``"local_cluster"`` or ``"ray"``."""
+    """``"rank"`` (inside a launched job), ``"in_process"``, ``"local_cluster"``, ``"ray"``
+    or ``"slurm"`` (this srun task is one rank; ``auto`` in a step of several tasks)."""
     environ = os.environ if environ is None else environ
     role = environ.get("DMLC_ROLE")
     if role == "worker":
@@ -42,8 +43,16 @@ def launch_mode(config: DictConfig, environ=None) -> str:
     if role:
         raise ConfigError("Trainer.fit runs in worker processes; scheduler and server processes "
                           f"run `python -m bpstrain.launch`. Received: DMLC_ROLE={role}")
-    if config.cluster.get("launcher", "auto") == "ray":
+    launcher = config.cluster.get("launcher", "auto")
+    if launcher == "ray":
         return "ray"
+    if launcher == "slurm":
+        return "slurm"
+    if launcher == "auto":
+        from bpstrain.launch.slurm import in_srun_step
+
+        if in_srun_step(environ):
+            return "slurm"
     return "in_process" if config.cluster.workers == 1 else "local_cluster"
 
 
@@ -204,7 +213,8 @@ class Trainer:
         from bpstrain.trainer._run_dir import resolve_run_name
 
         # One process names the run folder: this one, or rank 0 of a launched job.
-        self.run_name = resolve_run_name(self.config.trainer) if mode != "rank" else None
+        self.run_name = (resolve_run_name(self.config.trainer)
+                         if mode not in ("rank", "slurm") else None)
         if mode == "local_cluster":
             from bpstrain.trainer._local_cluster import LocalClusterLauncher
 
@@ -215,6 +225,11 @@ class Trainer:
             return fit_on_ray(self, model, data, val_data)
         from bpstrain.trainer.callbacks.progress import TqdmSink
 
+        if mode == "slurm":
+            from bpstrain.launch.slurm import rank_in_this_process
+
+            with rank_in_this_process():
+                return self.fit_rank(model, data, val_data, TqdmSink(), joined=False)
         return self.fit_rank(model, data, val_data, TqdmSink(), joined=mode == "rank",
                              run_name=self.run_name)
 

@@ -111,3 +111,17 @@ def test_cli_exits_2_outside_slurm_and_with_local_only_flags(capsys):
     assert "SLURM_JOB_ID is not set" in capsys.readouterr().err
     assert main(["--slurm", "--workers", "2", "--", sys.executable], environ={}) == 2
     assert "--workers does not apply with --slurm" in capsys.readouterr().err
+
+
+def test_trainer_takes_a_step_of_several_tasks_for_slurm_and_a_launched_worker_for_a_rank():
+    from bpstrain.config import load_config
+    from bpstrain.trainer import launch_mode
+
+    auto, two = load_config({}), load_config({"cluster.workers": 2})
+    step = _env("n1", 0, SLURM_STEP_NUM_TASKS="8")
+    assert launch_mode(auto, step) == "slurm"
+    assert launch_mode(two, {**step, "SLURM_STEP_NUM_TASKS": "1"}) == "local_cluster"
+    assert launch_mode(two, {"SLURM_JOB_ID": "5"}) == "local_cluster"  # batch script, salloc
+    assert launch_mode(auto, {**step, "DMLC_ROLE": "worker"}) == "rank"  # under --slurm
+    assert launch_mode(load_config({"cluster.launcher": "slurm"}), {}) == "slurm"
+    assert launch_mode(load_config({"cluster.launcher": "local"}), step) == "in_process"

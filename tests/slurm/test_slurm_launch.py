@@ -4,6 +4,7 @@ Both conventions on 4 nodes x 2 workers, a heterogeneous step whose second compo
 the servers, an allocation that cannot form a job, and a task killed outright.
 """
 
+import json
 import os
 import re
 import signal
@@ -126,3 +127,18 @@ def test_a_killed_task_ends_the_step_with_a_clear_error(slurm):
     left = [pid for _, pid in held.values() if os.path.exists(f"/proc/{pid}")
             and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
     assert not left, f"workers still running: {left}\n{output}"
+
+
+@pytest.mark.timeout(120)
+def test_trainer_under_a_bare_srun_finds_the_step_itself(slurm, tmp_path):
+    """`srun python train.py`, no launcher: each task is one rank (cluster.launcher auto)."""
+    proc = slurm.srun("-N", "2", "--ntasks-per-node=1", sys.executable,
+                      str(HERE / "trainer_fit.py"), str(tmp_path), timeout=100, **ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
+               if "RESULT " in line]
+    assert sorted((r["rank"], r["size"]) for r in results) == [(0, 2), (1, 2)], proc.stdout
+    # 256 samples / 2 ranks / 32 per batch = 4 steps an epoch; one run folder, named once.
+    assert {r["steps"] for r in results} == {8} and len({r["run"] for r in results}) == 1
+    assert results[0]["val_accuracy"] > 0.5
+    assert (tmp_path / results[0]["run"] / "checkpoints" / "last.ckpt").is_file()
