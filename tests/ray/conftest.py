@@ -36,6 +36,7 @@ def ray_cluster():
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=True)
     cluster.started_s = time.monotonic() - began
     cluster.node_ids = {n.node_id: f"node_{i}" for i, n in enumerate(nodes, 1)}
+    cluster.nodes = {n.node_id: n for n in nodes}
     try:
         yield cluster
     finally:

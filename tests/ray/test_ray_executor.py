@@ -207,3 +207,28 @@ def test_trainer_fit_with_cluster_launcher_ray_trains_on_actors(ray_cluster, tmp
     assert accuracy == pytest.approx(history.last["val_accuracy"], abs=1e-6)
     assert (trainer.run_dir / "config.yaml").is_file()  # rank 0's node is this machine
     assert _wait_gone([]) == []
+
+
+# -- last: it removes a node from the module's cluster ----------------------------------
+
+
+def test_a_lost_node_is_a_clear_error_naming_the_worker_on_it(ray_cluster):
+    settings = RayExecutor.create_settings(timeout_s=60, env={"BPSTRAIN_OP_TIMEOUT": "20"})
+    executor = RayExecutor(settings, num_workers=2, num_servers=1,
+                           placement_strategy="STRICT_SPREAD")
+    executor.start()
+    pids = _pids(executor)
+    try:
+        lost = ray_cluster.nodes[executor.worker_nodes[1]["node_id"]]
+        import threading
+
+        threading.Thread(target=lambda: (time.sleep(1.5), ray_cluster.remove_node(lost, False)),
+                         daemon=True).start()
+        with pytest.raises(RayExecutorError) as info:
+            executor.run(_slow_steps, args=(600,))
+        message = str(info.value)
+        print("lost node ->", message)
+        assert message.startswith("worker rank 1") and "died" in message, message
+    finally:
+        executor.shutdown()
+    assert _wait_gone(pids) == []
