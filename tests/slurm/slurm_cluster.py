@@ -92,6 +92,8 @@ class SlurmCluster:
             "MpiDefault=none", "SwitchType=switch/none", "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none", "ReturnToService=2",
             "KillWait=5", "InactiveLimit=0",
+            # Job ids set the launcher's port: vary them from one test run to the next.
+            f"FirstJobId={random.randrange(1000, 50000)}",
         ]
         for i, (name, port) in enumerate(zip(self.names, node_ports), start=1):
             lines.append(f"NodeName={name} NodeAddr=127.0.2.{i} Port={port} CPUs={self.cpus} "
