@@ -163,8 +163,9 @@ def _need(environ: Mapping[str, str], *names: str) -> tuple[str, str]:
         if value:
             return name, value
     raise ConfigError(
-        f"--slurm runs inside every task of an srun step (`srun -N 4 --ntasks-per-node=2 "
-        f"python -m bpstrain.launch --slurm -- python train.py`), and {names[0]} is "
+        "Slurm mode (launch --slurm, or the Trainer's cluster.launcher: slurm) runs in every "
+        "task of an srun step (`srun -N 4 --ntasks-per-node=2 python -m bpstrain.launch "
+        f"--slurm -- python train.py`), and {names[0]} is "
         f"not set{' (nor ' + ', '.join(names[1:]) + ')' if names[1:] else ''}: this is not "
         f"a Slurm task. Received: {names[0]} unset")
 
@@ -423,6 +424,10 @@ def rank_in_this_process(grace: float = DEFAULT_GRACE):
             "`srun ... python -m bpstrain.launch --slurm -- python train.py`")
     services: list[Child] = []
     saved = dict(os.environ)
+    usr1 = None
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+        usr1 = signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # as run_task: --signal kills not
     try:
         _start_services(task, _base_env(task, os.environ), services)
         os.environ.update(task.env, DMLC_ROLE="worker", DMLC_WORKER_ID=str(task.worker_id),
@@ -443,3 +448,5 @@ def rank_in_this_process(grace: float = DEFAULT_GRACE):
         stop_children(services, grace)
         os.environ.clear()
         os.environ.update(saved)
+        if usr1 is not None:
+            signal.signal(signal.SIGUSR1, usr1)
