@@ -3,7 +3,8 @@
 System ``bpstrain-cb`` is bpstrain with :func:`bpstrain.torch.CrossBarrier` (the next
 forward overlaps the last gradients' communication); ``ddp-bpstrain`` is unmodified torch
 DDP over the ``torch.distributed`` backend "bpstrain" (the same job as ``bpstrain``:
-scheduler, servers, workers), ``ddp`` the same DDP over gloo.
+scheduler, servers, workers), ``ddp`` the same DDP over gloo, ``alone`` one process on
+worker host 0 with no communication (a step's compute time).
 
     python -m bpstrain.bench.training --model vgg16 --hosts 4 --servers 4 --rate-mbit 800
     python -m bpstrain.bench.training --model vgg16 resnet50 --iters 3 --json out.json
@@ -101,6 +102,14 @@ def _run_ddp(hosts, plan: TrainPlan, model: str) -> list[dict]:
     return job.collect(plan.timeout_s)
 
 
+def _run_alone(hosts, plan: TrainPlan, model: str) -> list[dict]:
+    """One process on worker host 0, no communication: the compute part of a step."""
+    argv = [sys.executable, "-m", _WORKER, "--system", "alone", *_worker_args(plan, model)]
+    job = _jobs.Job(hosts)
+    job.start("alone", 0, argv, _jobs.child_env({}), worker=True)
+    return job.collect(plan.timeout_s)
+
+
 def _param_bytes(model: str, num_classes: int) -> int:
     from bpstrain.models import get_model
 
@@ -133,6 +142,8 @@ def run(plan: TrainPlan, log=None) -> list[TrainRow]:
                     + (f", {plan.servers} server hosts" if system != "ddp" else ""))
                 if system == "ddp":
                     payloads = _run_ddp(hosts, plan, model)
+                elif system == "alone":
+                    payloads = _run_alone(hosts, plan, model)
                 else:
                     payloads = _run_bpstrain(hosts, plan, model, system)
                 step = _step_time(payloads)
@@ -140,18 +151,20 @@ def run(plan: TrainPlan, log=None) -> list[TrainRow]:
                 mean = [sum(col) / len(col) for col in zip(*phases)]
                 log(f"[training]   rank 0 per step: forward {mean[0]:.2f} s, backward "
                     f"{mean[1]:.2f} s, gradient wait {mean[2]:.2f} s, update {mean[3]:.2f} s")
-                bound = (bounds.ps_bound_s(nbytes, plan.hosts, plan.servers, link)
-                         if system != "ddp" else bounds.ring_bound_s(nbytes, plan.hosts, link))
-                rows.append(TrainRow(model, system, plan.hosts,
-                                     plan.servers if system != "ddp" else None,
-                                     plan.batch_size, step, plan.hosts * plan.batch_size / step,
+                workers = 1 if system == "alone" else plan.hosts
+                bound = (0.0 if system == "alone"
+                         else bounds.ring_bound_s(nbytes, plan.hosts, link) if system == "ddp"
+                         else bounds.ps_bound_s(nbytes, plan.hosts, plan.servers, link))
+                rows.append(TrainRow(model, system, workers,
+                                     plan.servers if system not in ("ddp", "alone") else None,
+                                     plan.batch_size, step, workers * plan.batch_size / step,
                                      bound))
     finally:
         if cluster is not None:
             cluster.close()
     for row in rows:
         ddp = [r for r in rows if r.model == row.model and r.system == "ddp"]
-        if ddp:
+        if ddp and row.system != "alone":
             row.vs_ddp = row.samples_per_s / ddp[0].samples_per_s
     return rows
 
@@ -186,7 +199,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where every worker trains (cuda: the emulated hosts share the GPU; "
                         "DDP's gloo then reduces CUDA tensors)")
-    p.add_argument("--systems", nargs="+", choices=["bpstrain", "bpstrain-cb", "ddp-bpstrain", "ddp"],
+    p.add_argument("--systems", nargs="+",
+                   choices=["bpstrain", "bpstrain-cb", "ddp-bpstrain", "ddp", "alone"],
                    default=["bpstrain", "ddp"])
     p.add_argument("--loopback", action="store_true", help="no namespaces, no caps (no root needed)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")

@@ -111,9 +111,15 @@ def expand_counts(text: str, variable: str = "SLURM_STEP_TASKS_PER_NODE") -> lis
     return counts
 
 
-def port_for(job_id: int, step_id: int) -> int:
-    """The scheduler's port for a step: the same on every node, different per job and step."""
-    return _PORT_BASE + (job_id * 16 + step_id) % _PORT_SPAN
+def port_for(job_id: int, step_id: int, restart: int = 0) -> int:
+    """The scheduler's port for a step: the same on every node, different per job, step and
+    run of a requeued job (``SLURM_RESTART_COUNT``: the last run's scheduler may still be
+    closing when the next run starts on the same nodes)."""
+    return _PORT_BASE + (job_id * 16 + step_id + 7 * restart) % _PORT_SPAN
+
+
+def _int_or_zero(value) -> int:
+    return int(value) if value and str(value).strip().isdigit() else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +295,8 @@ def plan(environ: Mapping[str, str], local_size: int | None = None, port: int | 
     env = {"DMLC_NUM_WORKER": str(len(workers)), "BYTEPS_LOCAL_SIZE": str(size),
            "DMLC_NUM_SERVER": str(dedicated + (len(workers) if mixed else 0)),
            "DMLC_PS_ROOT_URI": _resolve(root, nodes_var, resolve),
-           "DMLC_PS_ROOT_PORT": str(port or port_for(job_id, int(step_raw))),
+           "DMLC_PS_ROOT_PORT": str(port or port_for(job_id, int(step_raw),
+                                                     _int_or_zero(environ.get("SLURM_RESTART_COUNT")))),
            "BPSTRAIN_HOST_ID": node}
     if not (environ.get("DMLC_INTERFACE") or "").strip():
         env["DMLC_NODE_HOST"] = _resolve(node, nodes_var, resolve)

@@ -53,6 +53,7 @@ Worker::~Worker() { Shutdown(); }
 void Worker::Start() { rendezvous_thread_ = std::thread([this] { Rendezvous(); }); }
 
 void Worker::Rendezvous() {
+  bool joined = false;  // welcomed: a server that closes on us now may be leaving a failed job
   try {
     NodeInfo me;
     me.role = Role::kWorker;
@@ -68,6 +69,7 @@ void Worker::Rendezvous() {
           if (!stopping_) Fail(Error::kPeer, why);
         },
         &stopping_);
+    joined = true;
     rank_ = static_cast<int>(w.rank);
     size_ = w.num_workers;
     servers_ = w.servers;
@@ -106,7 +108,10 @@ void Worker::Rendezvous() {
     ready_ = true;
     cv_.notify_all();
   } catch (const Error& e) {
-    Fail(e.kind(), e.what());
+    // A server closing during the connect or the link probe is most often the job
+    // failing elsewhere (a worker that already stopped): wait for the scheduler's notice.
+    if (joined && e.kind() == Error::kPeer) FailServerLost(e.what());
+    else Fail(e.kind(), e.what());
   } catch (const std::exception& e) {
     Fail(Error::kGeneric, e.what());
   }

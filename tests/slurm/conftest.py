@@ -4,9 +4,13 @@ import pytest
 from slurm_cluster import SlurmCluster, missing
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slurm():
-    """A started :class:`SlurmCluster` of 4 nodes; skips with the reason when impossible."""
+    """A started :class:`SlurmCluster` of 4 nodes; skips with the reason when impossible.
+
+    Per module, not per session: its daemons (munged, slurmctld, slurmd) are children of
+    pytest, and later folders' tests check that their jobs leave no child process behind.
+    """
     reason = missing()
     if reason:
         pytest.skip(reason)
