@@ -39,8 +39,13 @@ bool ControlClient::Hello(Transport& transport, const std::string& endpoint, con
   conn_->SetRecvTimeout(0.2);
   for (;;) {
     try {
-      if (!conn_->RecvFrame(r, meta, 0))
-        throw Error(Error::kPeer, "the scheduler closed the connection during rendezvous");
+      if (!conn_->RecvFrame(r, meta, 0)) {
+        // A scheduler that is ending (the previous job of a launcher that serves job
+        // after job) may close without a word; a refusal always comes as kError first.
+        if (SecondsSince(start) > timeout_s)
+          throw Error(Error::kPeer, "the scheduler closed the connection during rendezvous");
+        return false;  // reconnect, as for kRetryLater
+      }
       break;
     } catch (const Error& e) {
       if (e.kind() != Error::kTimeout) throw;

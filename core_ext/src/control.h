@@ -70,7 +70,8 @@ class ControlClient {
   void Close(double flush_s = 0);
 
  private:
-  // One connection and hello; false when the scheduler answered kRetryLater.
+  // One connection and hello; false when the scheduler answered kRetryLater or closed the
+  // connection without a word (both: reconnect until the timeout).
   bool Hello(Transport& transport, const std::string& endpoint, const NodeInfo& me, Clock::time_point start,
              double timeout_s, const std::atomic<bool>* cancel, FrameHeader* r, std::string* meta);
   void ReadLoop();
