@@ -16,7 +16,7 @@ import socket
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import ray
-from ray.util.placement_group import placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from bpstrain.errors import BpsError
 
@@ -105,6 +105,20 @@ def setup_worker(environ: Mapping[str, str]) -> tuple:
 
     bps.init()
     return bps.rank(), bps.size()
+
+
+def kill_all(actors: list, groups: list) -> None:
+    """Kills ``actors`` and removes the placement ``groups``; ones already gone are skipped."""
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already gone
+            pass
+    for group in groups:
+        try:
+            remove_placement_group(group)
+        except Exception:
+            pass
 
 
 def teardown_worker() -> None:

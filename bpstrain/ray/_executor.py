@@ -36,12 +36,11 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ray
-from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from bpstrain.errors import ConfigError
 from bpstrain.ray._actors import (RayExecutorError, RoleActor, WorkerActor, describe, job_env,
-                                  place, serve_roles, worker_env)
+                                  kill_all, place, serve_roles, worker_env)
 
 _GRACE_S = 2.0  # after a first failure, how long to let the others report theirs
 _TEARDOWN_S = 10.0
@@ -308,16 +307,8 @@ class RayExecutor:
             ray.wait(refs, num_returns=len(refs), timeout=_TEARDOWN_S)
             if self._roles:  # the roles end by themselves once every worker has left
                 ray.wait(list(self._roles), num_returns=len(self._roles), timeout=_TEARDOWN_S)
-        for actor in [*self.workers, *self.servers, *([self.scheduler] if self.scheduler else [])]:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already gone
-                pass
-        for group in self._groups:
-            try:
-                remove_placement_group(group)
-            except Exception:
-                pass
+        kill_all([*self.workers, *self.servers, *([self.scheduler] if self.scheduler else [])],
+                 self._groups)
         self.workers, self.servers, self.scheduler = [], [], None
         self._groups, self._roles, self._failed = [], {}, None
 

@@ -32,12 +32,12 @@ from typing import Any, Callable, Dict, List, Optional
 import ray
 from ray.train.backend import Backend, BackendConfig
 from ray.train.v2._internal.constants import is_v2_enabled
-from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
                                             PlacementGroupSchedulingStrategy)
 
-from bpstrain.ray._actors import (RayExecutorError, RoleActor, job_env, node_info, outcome,
-                                  place, serve_roles, setup_worker, teardown_worker, worker_env)
+from bpstrain.ray._actors import (RayExecutorError, RoleActor, job_env, kill_all, node_info,
+                                  outcome, place, serve_roles, setup_worker, teardown_worker,
+                                  worker_env)
 
 if is_v2_enabled():
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
@@ -158,16 +158,7 @@ class _BpstrainBackend(Backend):
             self._stop()
 
     def _stop(self) -> None:
-        for actor in self._actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already gone
-                pass
-        for group in self._groups:
-            try:
-                remove_placement_group(group)
-            except Exception:
-                pass
+        kill_all(self._actors, self._groups)
         self._actors, self._groups, self._roles = [], [], {}
 
 

@@ -91,34 +91,10 @@ def test_torchrun_variables_stand_in_for_bytes_ones():
 @pytest.mark.timeout(180)
 def test_torchrun_workers_on_a_scheduler_and_server_started_by_hand(tmp_path):
     """BytePS's roles by hand for scheduler and server; torchrun starts the workers."""
-    import json
-    import os
-    import subprocess
+    from torchrun_job import run_torchrun_job
 
-    repo = Path(__file__).resolve().parents[2]
-    port = _free_port()
-    common = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
-    common.update(PYTHONPATH=str(repo), OMP_NUM_THREADS="1", BPSTRAIN_OP_TIMEOUT="20",
-                  DMLC_NUM_WORKER="1", BYTEPS_LOCAL_SIZE="2", DMLC_NUM_SERVER="1",
-                  DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port))
-    roles = [subprocess.Popen([sys.executable, "-m", "bpstrain.launch"], cwd=repo,
-                              env={**common, "DMLC_ROLE": role}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for role in ("scheduler", "server")]
-    try:
-        worker_env = {k: v for k, v in common.items() if k not in ("BYTEPS_LOCAL_SIZE", "DMLC_NUM_WORKER")}
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-port", str(_free_port()), str(Path(__file__).parent / "c10d_torchrun_worker.py")],
-            cwd=repo, env={**worker_env, "DMLC_ROLE": "worker", "RESULT_DIR": str(tmp_path)},
-            capture_output=True, text=True, timeout=150)
-    finally:
-        for p in roles:
-            try:
-                p.wait(timeout=30)  # they exit once the workers have left
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    results = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("*.json"))]
+    proc, results = run_torchrun_job(Path(__file__).parent / "c10d_torchrun_worker.py", tmp_path,
+                                     op_timeout=20, timeout=150)
     assert proc.returncode == 0 and len(results) == 2, (proc.stdout + proc.stderr)[-3000:]
     for r in results:
         assert r["size"] == 2 and r["rank"] == r["env_rank"] == r["bps_rank"] and r["sum"] == 3.0, r
