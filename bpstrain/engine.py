@@ -32,9 +32,10 @@ from bpstrain.config.schema import CommConfig, hierarchical_mode
 from bpstrain.errors import BpsTimeoutError, ConfigError
 
 
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
-"""The engine's dtypes; every adapter maps its own dtypes onto these names."""
-_NUMPY_NAMES: Dict[Any, str] = {np.dtype(n): n for n in DTYPES if n != "bfloat16"}
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "compressed")
+"""The engine's dtypes; every adapter maps its own dtypes onto these names. ``compressed``
+is bytes of compressed blobs (:mod:`bpstrain._codec`), pushed with Op.SUM only."""
+_NUMPY_NAMES: Dict[Any, str] = {np.dtype(n): n for n in DTYPES if n not in ("bfloat16", "compressed")}
 try:
     import ml_dtypes
 

@@ -187,6 +187,49 @@ PYBIND11_MODULE(_core, m) {
       py::arg("acc"), py::arg("src"), py::arg("dtype"),
       "acc (float32) += src (float16/bfloat16): what a server does per push of a half tensor.");
 
+  // The servers' compressed-round code on its own (no network): tests compare it with
+  // bpstrain/_codec.py's reference, the compression benchmark times it.
+  py::class_<SumHandler>(m, "CompressedRounds")
+      .def(py::init([] { return std::make_unique<SumHandler>(BufferPool::Create()); }))
+      .def(
+          "round",
+          [](SumHandler& h, uint64_t key, uint64_t version, const std::vector<py::buffer>& pushes) {
+            std::vector<BufferView> views;
+            for (const auto& p : pushes) views.push_back(View(p, false, "push"));
+            if (views.empty()) throw Error(Error::kConfig, "a round needs at least one push");
+            Round r;
+            r.key = key;
+            r.version = version;
+            r.dtype = DType::kCompressed;
+            r.len = views[0].nbytes;
+            r.expected = static_cast<int>(views.size());
+            std::string error;
+            {
+              py::gil_scoped_release nogil;
+              for (size_t i = 0; i < views.size() && error.empty(); ++i) {
+                if (views[i].nbytes != r.len) error = "pushes differ in size";
+                Push p;
+                p.key = key;
+                p.version = version;
+                p.dtype = DType::kCompressed;
+                p.len = r.len;
+                p.expected = r.expected;
+                p.sender = static_cast<int>(i);
+                p.body = std::make_shared<Buffer>(r.len);
+                std::memcpy(p.body->data(), views[i].ptr, r.len);
+                r.senders.push_back(p.sender);
+                ++r.pushes;
+                if (error.empty()) error = h.OnPush(r, p);
+              }
+              if (error.empty()) error = h.OnRoundComplete(r);
+            }
+            if (!error.empty()) throw Error(Error::kMismatch, error);
+            return r.result ? py::bytes(r.result->data(), r.len) : py::bytes();
+          },
+          py::arg("key"), py::arg("version"), py::arg("pushes"),
+          "What a server answers for one round of compressed pushes (rank order); the "
+          "error-feedback residual of `key` carries to its next round.");
+
   m.def("auto_partition_bytes", &AutoPartitionBytes, py::arg("link_bytes_per_s"), py::arg("tensor_bytes"),
         py::arg("num_servers"), py::arg("elem_bytes") = 1,
         "The partition size the scheduler picks when partition_bytes is 0 (auto).");

@@ -7,8 +7,8 @@ namespace bps {
 
 namespace {
 const char* kNames[kNumDTypes] = {"float16", "bfloat16", "float32", "float64",
-                                  "int8",    "uint8",    "int32",   "int64"};
-const size_t kSizes[kNumDTypes] = {2, 2, 4, 8, 1, 1, 4, 8};
+                                  "int8",    "uint8",    "int32",   "int64", "compressed"};
+const size_t kSizes[kNumDTypes] = {2, 2, 4, 8, 1, 1, 4, 8, 1};
 
 std::mutex g_log_mu;
 std::string g_log_prefix = "bpstrain";
@@ -33,7 +33,7 @@ DType ParseDType(const std::string& name) {
     if (name == kNames[i]) return static_cast<DType>(i);
   throw Error(Error::kConfig,
               "unsupported dtype; expected one of float16, bfloat16, float32, float64, "
-              "int8, uint8, int32, int64. Received: dtype=" + name);
+              "int8, uint8, int32, int64, compressed. Received: dtype=" + name);
 }
 
 void SetLogPrefix(const std::string& prefix) {

@@ -25,8 +25,9 @@ enum class DType : uint8_t {
   kUInt8 = 5,
   kInt32 = 6,
   kInt64 = 7,
+  kCompressed = 8,  // bytes of compressed blobs (codec.h): decoded and re-encoded, never summed raw
 };
-constexpr int kNumDTypes = 8;
+constexpr int kNumDTypes = 9;
 
 size_t DTypeSize(DType t);
 const char* DTypeName(DType t);

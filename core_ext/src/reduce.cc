@@ -199,6 +199,7 @@ void DivideInPlace(DType t, void* data, size_t n, int64_t divisor) {
     case DType::kUInt8: return FloorDivide(static_cast<uint8_t*>(data), n, divisor);
     case DType::kInt32: return FloorDivide(static_cast<int32_t*>(data), n, divisor);
     case DType::kInt64: return FloorDivide(static_cast<int64_t*>(data), n, divisor);
+    case DType::kCompressed: throw Error(Error::kGeneric, "compressed blobs cannot be averaged in place");
   }
 }
 

@@ -1,10 +1,24 @@
 #include "server_handler.h"
 
+#include <algorithm>
+
+#include "codec.h"
 #include "reduce.h"
 
 namespace bps {
 
+namespace {
+// What a compressed round keeps until it completes: the pushes themselves (they are
+// small), decoded only then and in rank order, so the sum does not depend on arrival.
+struct CompressedPushes {
+  std::vector<codec::BlobHeader> blobs;  // the first push's, every push must match
+  std::vector<std::pair<int, std::shared_ptr<Buffer>>> bodies;  // (sender, body)
+  std::string disagreement;  // workers sent differently shaped blobs: all get this error
+};
+}  // namespace
+
 std::string SumHandler::OnPush(Round& r, const Push& p) {
+  if (p.dtype == DType::kCompressed) return OnCompressedPush(r, p);
   if (!p.body) return "";
   if (r.broadcast) {
     r.result = p.body;  // the root's payload is the answer
@@ -27,6 +41,7 @@ std::string SumHandler::OnPush(Round& r, const Push& p) {
 }
 
 std::string SumHandler::OnRoundComplete(Round& r) {
+  if (r.dtype == DType::kCompressed) return OnCompressedRoundComplete(r);
   if (r.broadcast) return r.result || !r.len ? "" : "broadcast round without a root payload";
   if (AccumulatesInFloat(r.dtype) && r.acc) {
     r.result = pool_->Acquire(r.len);
@@ -34,6 +49,69 @@ std::string SumHandler::OnRoundComplete(Round& r) {
   } else {
     r.result = r.acc;
   }
+  return "";
+}
+
+std::string SumHandler::OnCompressedPush(Round& r, const Push& p) {
+  if (r.broadcast) return "compressed tensors are summed, not broadcast";
+  if (!p.body) return r.len ? "compressed push without a body" : "";
+  std::vector<codec::BlobHeader> blobs;
+  std::string error = codec::Parse(reinterpret_cast<const uint8_t*>(p.body->data()), p.len, &blobs);
+  if (!error.empty()) return "partition " + std::to_string(p.key) + ": " + error;
+  if (!r.extra) r.extra = std::make_shared<CompressedPushes>();
+  auto* cp = static_cast<CompressedPushes*>(r.extra.get());
+  if (cp->bodies.empty()) {
+    cp->blobs = std::move(blobs);
+  } else if (cp->disagreement.empty()) {
+    bool same = blobs.size() == cp->blobs.size();
+    for (size_t i = 0; same && i < blobs.size(); ++i) same = blobs[i].SameShape(cp->blobs[i]);
+    if (!same)
+      cp->disagreement = "partition " + std::to_string(p.key) + " round " + std::to_string(p.version) +
+                         ": workers compressed it differently (codec, ratio, levels or error feedback); "
+                         "use the same compression on every rank";
+  }
+  cp->bodies.emplace_back(p.sender, p.body);
+  return "";
+}
+
+std::string SumHandler::OnCompressedRoundComplete(Round& r) {
+  auto* cp = static_cast<CompressedPushes*>(r.extra.get());
+  if (!cp || cp->blobs.empty()) return "";  // an empty tensor
+  if (!cp->disagreement.empty()) return cp->disagreement;
+  std::sort(cp->bodies.begin(), cp->bodies.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  size_t total = 0;
+  bool feedback = false;
+  for (const auto& h : cp->blobs) {
+    total += h.n;
+    feedback |= (h.flags & codec::kFlagServerEF) != 0;
+  }
+  std::vector<float>* residual = nullptr;
+  if (feedback) {
+    residual = &residual_[r.key];
+    if (residual->size() != total) residual->assign(total, 0.0f);  // first round, or the tensor changed
+  }
+  r.result = pool_->Acquire(r.len);
+  auto* out = reinterpret_cast<uint8_t*>(r.result->data());
+  size_t first = 0;  // element index of the chunk within the partition
+  for (const auto& h : cp->blobs) {
+    scratch_.resize(h.n);
+    float* acc = scratch_.data();
+    for (size_t i = 0; i < cp->bodies.size(); ++i)
+      codec::DecodeInto(h, reinterpret_cast<const uint8_t*>(cp->bodies[i].second->data()), acc, i == 0);
+    const bool ef = (h.flags & codec::kFlagServerEF) != 0;
+    if (ef)
+      for (uint32_t j = 0; j < h.n; ++j) acc[j] += (*residual)[first + j];
+    codec::Encode(h, acc, out + h.offset);
+    if (ef) {
+      // residual = what the sum (with last round's residual) had minus what was sent
+      float* res = residual->data() + first;
+      codec::DecodeInto(h, out, res, true);
+      for (uint32_t j = 0; j < h.n; ++j) res[j] = acc[j] - res[j];
+    }
+    first += h.n;
+  }
+  cp->bodies.clear();  // the pushes' buffers go back to the pool now
   return "";
 }
 

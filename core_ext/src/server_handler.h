@@ -19,6 +19,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -76,7 +77,9 @@ class ServerHandler {
 using HandlerFactory = std::function<std::unique_ptr<ServerHandler>(std::shared_ptr<BufferPool>)>;
 
 // Sums the pushes of a round with the SIMD kernels (fp16/bf16 accumulate in fp32); a
-// broadcast round answers with the root's data.
+// broadcast round answers with the root's data. Rounds of dtype "compressed" (codec.h)
+// are decoded in rank order, summed in fp32, and encoded again with the workers' codec,
+// keeping a per-partition error-feedback residual when the blobs ask for one.
 class SumHandler : public ServerHandler {
  public:
   explicit SumHandler(std::shared_ptr<BufferPool> pool) : pool_(std::move(pool)) {}
@@ -84,7 +87,15 @@ class SumHandler : public ServerHandler {
   std::string OnRoundComplete(Round& round) override;
 
  private:
+  std::string OnCompressedPush(Round& round, const Push& push);
+  std::string OnCompressedRoundComplete(Round& round);
+
   std::shared_ptr<BufferPool> pool_;
+  // key -> the server's error-feedback residual of that partition (its chunks' elements
+  // in order). Rounds of one key complete in version order (each worker pushes them in
+  // order on one connection), so the residual carries from each round to the next.
+  std::map<uint64_t, std::vector<float>> residual_;
+  std::vector<float> scratch_;
 };
 
 }  // namespace bps

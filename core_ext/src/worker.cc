@@ -198,6 +198,9 @@ int64_t Worker::Enqueue(const OpRequest& req) {
   if (req.op != Op::kSum && req.op != Op::kAverage && req.op != Op::kBroadcast)
     throw Error(Error::kConfig, "op must be Op.SUM (0), Op.AVERAGE (1) or Op.BROADCAST (2). Received: " +
                                     std::to_string(static_cast<int>(req.op)));
+  if (req.dtype == DType::kCompressed && req.op != Op::kSum)
+    throw Error(Error::kConfig, "compressed tensors are push_pulled with Op.SUM: the servers re-encode the "
+                                "sum, and the adapter averages after decoding");
   if (req.op == Op::kBroadcast && (req.root < 0 || req.root >= size_))
     throw Error(Error::kConfig, "broadcast root must be in [0, " + std::to_string(size_) +
                                     "). Received: root_rank=" + std::to_string(req.root));
@@ -206,7 +209,9 @@ int64_t Worker::Enqueue(const OpRequest& req) {
   if (req.participants < 0 || req.participants > size_)
     throw Error(Error::kConfig, "participants must be in [0, " + std::to_string(size_) +
                                     "]. Received: participants=" + std::to_string(req.participants));
-  if (group_ && req.op != Op::kBroadcast && req.participants == 0) {
+  // Compressed blobs cannot be summed byte-wise in shared memory, so every rank pushes
+  // its own to the servers (they decode, sum and re-encode).
+  if (group_ && req.op != Op::kBroadcast && req.participants == 0 && req.dtype != DType::kCompressed) {
     // Hierarchical: the local group reduces on this host and pushes one slice per rank.
     // The whole tensor is declared with the scheduler first, as on the flat path, so a
     // shape or dtype that differs on any rank of any host fails on every rank (and the

@@ -1,0 +1,183 @@
+#include "codec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+namespace bps {
+namespace codec {
+
+namespace {
+size_t Pad4(size_t n) { return (n + 3) & ~size_t(3); }
+
+template <typename T>
+T Load(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));  // unaligned, little-endian host (x86/arm64)
+  return v;
+}
+
+// Magnitudes for top-k: NaN sorts below everything, as in the numpy reference (argsort
+// puts NaN last), and keeps the comparator a strict weak order.
+float Magnitude(float v) { return std::isnan(v) ? -1.0f : std::fabs(v); }
+}  // namespace
+
+size_t BlobBytes(uint8_t codec, uint32_t n, uint32_t k) {
+  switch (codec) {
+    case kOneBit: return kHeaderBytes + Pad4((size_t(n) + 7) / 8);
+    case kTopK: return kHeaderBytes + 8 * size_t(k);
+    case kDithering: return kHeaderBytes + Pad4(n);
+    default: return 0;
+  }
+}
+
+std::string Parse(const uint8_t* data, size_t len, std::vector<BlobHeader>* blobs) {
+  blobs->clear();
+  size_t off = 0;
+  while (off < len) {
+    const std::string at = "compressed blob " + std::to_string(blobs->size()) + " at byte " + std::to_string(off);
+    if (len - off < kHeaderBytes) return at + ": truncated header";
+    BlobHeader h;
+    const uint8_t* p = data + off;
+    h.codec = p[0];
+    h.flags = p[1];
+    h.param = Load<uint16_t>(p + 2);
+    h.n = Load<uint32_t>(p + 4);
+    h.k = Load<uint32_t>(p + 8);
+    h.scale = Load<float>(p + 12);
+    h.offset = off;
+    if (h.codec < kOneBit || h.codec > kDithering) return at + ": unknown codec " + std::to_string(h.codec);
+    if (h.flags & ~(kFlagScaled | kFlagServerEF)) return at + ": unknown flags " + std::to_string(h.flags);
+    if (h.n == 0) return at + ": empty chunk";
+    if (h.codec == kTopK ? (h.k == 0 || h.k > h.n) : h.k != h.n)
+      return at + ": " + std::to_string(h.k) + " entries for " + std::to_string(h.n) + " elements";
+    if (h.codec == kDithering ? (h.param < 1 || h.param > 127) : h.param != 0)
+      return at + ": parameter " + std::to_string(h.param) + " out of range";
+    const size_t size = BlobBytes(h.codec, h.n, h.k);
+    if (size > len - off) return at + ": " + std::to_string(size) + " bytes announced, " +
+                                 std::to_string(len - off) + " left";
+    const uint8_t* payload = p + kHeaderBytes;
+    if (h.codec == kTopK) {
+      uint32_t prev = 0;
+      for (uint32_t i = 0; i < h.k; ++i) {
+        const uint32_t idx = Load<uint32_t>(payload + 4 * size_t(i));
+        if (idx >= h.n || (i > 0 && idx <= prev)) return at + ": top-k indices not increasing within the chunk";
+        prev = idx;
+      }
+    } else if (h.codec == kDithering) {
+      const int8_t s = static_cast<int8_t>(h.param);
+      for (uint32_t i = 0; i < h.n; ++i) {
+        const int8_t q = static_cast<int8_t>(payload[i]);
+        if (q > s || q < -s) return at + ": dithering level out of range";
+      }
+    }
+    blobs->push_back(h);
+    off += size;
+  }
+  return "";
+}
+
+namespace {
+template <bool kAssign>
+void DecodeChunk(const BlobHeader& h, const uint8_t* data, float* acc) {
+  const uint8_t* payload = data + h.offset + kHeaderBytes;
+  const float scale = Load<float>(data + h.offset + 12);  // this blob's own, not the first push's
+  if (h.codec == kOneBit) {
+    // Eight elements per payload byte; the inner loop has no branch, so it vectorises.
+    const float sign[2] = {scale, -scale};
+    for (uint32_t j0 = 0; j0 < h.n; j0 += 8) {
+      const unsigned bits = payload[j0 >> 3];
+      const uint32_t m = std::min<uint32_t>(8, h.n - j0);
+      for (uint32_t t = 0; t < m; ++t) {
+        const float v = sign[(bits >> t) & 1];
+        acc[j0 + t] = kAssign ? v : acc[j0 + t] + v;
+      }
+    }
+  } else if (h.codec == kTopK) {
+    if (kAssign) std::fill(acc, acc + h.n, 0.0f);
+    const uint8_t* values = payload + 4 * size_t(h.k);
+    for (uint32_t i = 0; i < h.k; ++i) acc[Load<uint32_t>(payload + 4 * size_t(i))] += Load<float>(values + 4 * size_t(i));
+  } else {
+    const float step = scale / static_cast<float>(h.param);
+    const int8_t* q = reinterpret_cast<const int8_t*>(payload);
+    for (uint32_t j = 0; j < h.n; ++j) {
+      const float v = static_cast<float>(q[j]) * step;
+      acc[j] = kAssign ? v : acc[j] + v;
+    }
+  }
+}
+}  // namespace
+
+void DecodeInto(const BlobHeader& h, const uint8_t* data, float* acc, bool assign) {
+  assign ? DecodeChunk<true>(h, data, acc) : DecodeChunk<false>(h, data, acc);
+}
+
+void Encode(const BlobHeader& like, const float* x, uint8_t* out) {
+  const uint32_t n = like.n;
+  const size_t size = BlobBytes(like.codec, n, like.k);
+  std::memset(out, 0, size);
+  uint8_t* payload = out + kHeaderBytes;
+  float scale = 0;
+  if (like.codec == kOneBit) {
+    if (like.flags & kFlagScaled) {
+      double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // independent sums vectorise; float64
+      uint32_t j = 0;                             // keeps them equal to the reference's
+      for (; j + 8 <= n; j += 8)
+        for (int t = 0; t < 8; ++t) part[t] += std::fabs(static_cast<double>(x[j + t]));
+      for (; j < n; ++j) part[0] += std::fabs(static_cast<double>(x[j]));
+      double sum = 0;
+      for (double p : part) sum += p;
+      scale = static_cast<float>(sum / n);
+    } else {
+      scale = 1.0f;
+    }
+    for (uint32_t j0 = 0; j0 < n; j0 += 8) {
+      const uint32_t m = std::min<uint32_t>(8, n - j0);
+      unsigned bits = 0;
+      for (uint32_t t = 0; t < m; ++t) bits |= static_cast<unsigned>(x[j0 + t] < 0) << t;
+      payload[j0 >> 3] = static_cast<uint8_t>(bits);
+    }
+  } else if (like.codec == kTopK) {
+    std::vector<uint32_t> idx(n);
+    std::iota(idx.begin(), idx.end(), 0u);
+    // The k largest magnitudes, ties to the lower index: a strict total order, so the
+    // chosen set is the reference's whatever nth_element does internally.
+    auto before = [x](uint32_t a, uint32_t b) {
+      const float ma = Magnitude(x[a]), mb = Magnitude(x[b]);
+      return ma > mb || (ma == mb && a < b);
+    };
+    std::nth_element(idx.begin(), idx.begin() + (like.k - 1), idx.end(), before);
+    std::sort(idx.begin(), idx.begin() + like.k);
+    uint8_t* values = payload + 4 * size_t(like.k);
+    for (uint32_t i = 0; i < like.k; ++i) {
+      std::memcpy(payload + 4 * size_t(i), &idx[i], 4);
+      std::memcpy(values + 4 * size_t(i), &x[idx[i]], 4);
+    }
+  } else {
+    bool nan = false;  // max |x| propagates NaN, as numpy's max does
+    for (uint32_t j = 0; j < n; ++j) {
+      const float a = std::fabs(x[j]);
+      if (std::isnan(a)) nan = true;
+      else scale = std::max(scale, a);
+    }
+    if (nan) scale = NAN;
+    if (scale > 0 && std::isfinite(scale)) {
+      const double levels = like.param;
+      for (uint32_t j = 0; j < n; ++j) {
+        double q = std::floor(std::fabs(static_cast<double>(x[j])) / static_cast<double>(scale) * levels + 0.5);
+        q = std::min(q, levels);
+        payload[j] = static_cast<uint8_t>(static_cast<int8_t>(x[j] < 0 ? -q : q));
+      }
+    }  // else zero levels (already zeroed) with the non-finite scale, as the reference
+  }
+  out[0] = like.codec;
+  out[1] = like.flags;
+  std::memcpy(out + 2, &like.param, 2);
+  std::memcpy(out + 4, &n, 4);
+  std::memcpy(out + 8, &like.k, 4);
+  std::memcpy(out + 12, &scale, 4);
+}
+
+}  // namespace codec
+}  // namespace bps

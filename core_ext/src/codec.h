@@ -1,0 +1,51 @@
+// Compressed gradients on the server: the blob format of bpstrain/_codec.py (its numpy
+// encoder is the reference this one must match byte for byte) and the round rule
+// "decode every worker's blob in rank order, sum in fp32, add the server's error-feedback
+// residual, encode the sum again with the same codec". A partition of engine dtype
+// "compressed" is a sequence of whole blobs; nothing in it is trusted before Parse.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace bps {
+namespace codec {
+
+enum Codec : uint8_t { kOneBit = 1, kTopK = 2, kDithering = 3 };
+constexpr uint8_t kFlagScaled = 1;    // onebit: magnitude = mean |x| (else 1)
+constexpr uint8_t kFlagServerEF = 2;  // the server keeps a residual for this chunk
+constexpr size_t kHeaderBytes = 16;
+
+struct BlobHeader {
+  uint8_t codec = 0, flags = 0;
+  uint16_t param = 0;  // dithering levels
+  uint32_t n = 0, k = 0;
+  float scale = 0;
+  size_t offset = 0;  // where the blob starts in its partition
+
+  bool SameShape(const BlobHeader& o) const {
+    return codec == o.codec && flags == o.flags && param == o.param && n == o.n && k == o.k;
+  }
+};
+
+// Bytes of one blob, header included.
+size_t BlobBytes(uint8_t codec, uint32_t n, uint32_t k);
+
+// Splits a partition into blobs and checks every field and payload (codec, flags,
+// counts, sizes, top-k indices strictly increasing and < n, dithering levels within
+// [-s, s]). Returns "" or what is wrong.
+std::string Parse(const uint8_t* data, size_t len, std::vector<BlobHeader>* blobs);
+
+// Adds (or, with `assign`, writes) the decoded chunk of the blob at h.offset of `data`
+// into `acc` (h.n floats). `h` may come from another push of the same shape: the scale is
+// read from `data`.
+void DecodeInto(const BlobHeader& h, const uint8_t* data, float* acc, bool assign);
+
+// Encodes the n floats of `x` as a blob shaped like `like` (codec, flags, param, n, k),
+// rounding dithering to the nearest level; writes BlobBytes(...) bytes to `out`.
+void Encode(const BlobHeader& like, const float* x, uint8_t* out);
+
+}  // namespace codec
+}  // namespace bps
