@@ -14,6 +14,7 @@ Blob layout, little-endian, 16-byte header then payload padded to 4 bytes::
     u8  codec     1 = onebit, 2 = topk, 3 = dithering
     u8  flags     bit 0: onebit scaled (else the magnitude is 1)
                   bit 1: the server keeps an error-feedback residual for this chunk
+                  bit 2 / bit 3: a state export / import blob (see below)
     u16 param     dithering: levels s (1..127); else 0
     u32 n         elements of the chunk (>= 1)
     u32 k         payload entries: topk k (1..n); onebit and dithering n
@@ -29,6 +30,13 @@ implementations: scales are computed in float64 and rounded to float32 once; top
 breaks ties in magnitude by the lower index and lists indices in increasing order;
 dithering on the servers rounds to the nearest level (ties away from zero); workers may
 round stochastically (``u``).
+
+**Checkpointing the servers' residuals** goes through the tensor's own partitions, one
+piece per round: a state blob has the gradient blob's header (same size) with bit 2
+(export) or bit 3 (import) set and the piece index in ``scale``; its payload is raw fp32
+residual, :func:`state_floats` of it per chunk. An export round answers piece p of each
+chunk's residual and changes nothing; an import round makes the lowest rank's payload
+piece p of the residual (:func:`state_blob`, :func:`read_state`).
 
 Random-k needs no codec: every rank derives the same ``k`` indices from a shared seed
 (:func:`randomk_indices`), so the servers sum plain float32 values.
@@ -47,6 +55,8 @@ ONEBIT, TOPK, DITHERING = 1, 2, 3
 CODECS = {"onebit": ONEBIT, "topk": TOPK, "dithering": DITHERING}
 FLAG_SCALED = 1
 FLAG_SERVER_EF = 2
+FLAG_STATE_EXPORT = 4
+FLAG_STATE_IMPORT = 8
 HEADER = struct.Struct("<BBHIIf")
 HEADER_BYTES = HEADER.size  # 16
 DEFAULT_CHUNK = 1 << 20
@@ -180,6 +190,8 @@ def server_round(blobs: Sequence[bytes], residuals: Optional[Dict[int, np.ndarra
     the server's error-feedback state, updated in place.
     """
     residuals = {} if residuals is None else residuals
+    if parse_header(blobs[0])[1] & (FLAG_STATE_EXPORT | FLAG_STATE_IMPORT):
+        return _state_round(blobs[0], residuals)
     out, off, i = [], 0, 0
     while off < len(blobs[0]):
         codec, flags, param, n, k, _ = parse_header(blobs[0], off)
@@ -197,6 +209,76 @@ def server_round(blobs: Sequence[bytes], residuals: Optional[Dict[int, np.ndarra
         off += blob_bytes(codec, n, k)
         i += 1
     return b"".join(out)
+
+
+def _state_round(lowest: bytes, residuals: Dict[int, np.ndarray]) -> bytes:
+    out, off, i = bytearray(lowest), 0, 0
+    while off < len(lowest):
+        codec, flags, _, n, k, piece = parse_header(lowest, off)
+        per, size = state_floats(codec, n, k), blob_bytes(codec, n, k)
+        res = residuals.setdefault(i, np.zeros(n, np.float32))
+        begin = min(n, int(piece) * per)
+        count = min(per, n - begin)
+        p = off + HEADER_BYTES
+        if flags & FLAG_STATE_IMPORT:
+            res[begin:begin + count] = np.frombuffer(lowest, np.float32, count, p)
+        else:
+            out[p:off + size] = bytes(size - HEADER_BYTES)
+            out[p:p + 4 * count] = res[begin:begin + count].tobytes()
+        off += size
+        i += 1
+    return bytes(out)
+
+
+# -- checkpointing the servers' residuals ---------------------------------------------------
+
+def state_floats(codec: int, n: int, k: int) -> int:
+    """Residual floats one state piece of a blob carries."""
+    return (blob_bytes(codec, n, k) - HEADER_BYTES) // 4
+
+
+def state_pieces(template: bytes) -> int:
+    """Rounds an export or import of a tensor takes (its template: any gradient push)."""
+    pieces, off = 0, 0
+    while off < len(template):
+        codec, _, _, n, k, _ = parse_header(template, off)
+        pieces = max(pieces, -(-n // state_floats(codec, n, k)))
+        off += blob_bytes(codec, n, k)
+    return pieces
+
+
+def state_blob(template: bytes, piece: int, residual: Optional[np.ndarray] = None) -> bytes:
+    """The push of state round ``piece``: an export without ``residual``, else an import
+    of the tensor's flat fp32 ``residual`` (chunks in order)."""
+    out, off, first = bytearray(len(template)), 0, 0
+    while off < len(template):
+        codec, flags, param, n, k, _ = parse_header(template, off)
+        flags = (flags & ~(FLAG_STATE_EXPORT | FLAG_STATE_IMPORT)) | (
+            FLAG_STATE_EXPORT if residual is None else FLAG_STATE_IMPORT)
+        per, size = state_floats(codec, n, k), blob_bytes(codec, n, k)
+        out[off:off + HEADER_BYTES] = HEADER.pack(codec, flags, param, n, k, float(piece))
+        if residual is not None:
+            begin = min(n, piece * per)
+            count = min(per, n - begin)
+            chunk = np.ascontiguousarray(residual[first + begin:first + begin + count], np.float32)
+            out[off + HEADER_BYTES:off + HEADER_BYTES + 4 * count] = chunk.tobytes()
+        off += size
+        first += n
+    return bytes(out)
+
+
+def read_state(answer: bytes, piece: int, residual: np.ndarray) -> None:
+    """Writes the export answer of round ``piece`` into the flat fp32 ``residual``."""
+    off, first = 0, 0
+    while off < len(answer):
+        codec, _, _, n, k, _ = parse_header(answer, off)
+        per = state_floats(codec, n, k)
+        begin = min(n, piece * per)
+        count = min(per, n - begin)
+        residual[first + begin:first + begin + count] = np.frombuffer(answer, np.float32, count,
+                                                                      off + HEADER_BYTES)
+        off += blob_bytes(codec, n, k)
+        first += n
 
 
 # -- random-k -----------------------------------------------------------------------------

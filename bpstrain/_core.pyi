@@ -22,6 +22,13 @@ def sum_into(dst: Buffer, src: Buffer, dtype: str) -> None:
 def accumulate(acc: Buffer, src: Buffer, dtype: str) -> None:
     """acc (float32) += src (float16/bfloat16), a server's per-push step."""
 
+class CompressedRounds:
+    """The servers' compressed-round rule alone (bpstrain/_codec.py is its reference)."""
+    def __init__(self) -> None: ...
+    def round(self, key: int, version: int, pushes: Sequence[Buffer]) -> bytes:
+        """The answer to one round of compressed pushes (rank order); the error-feedback
+        residual of ``key`` carries to its next round. Raises MismatchError on bad blobs."""
+
 class Op(enum.Enum):
     """What one operation does with the ranks' tensors (0, 1, 2 convert implicitly)."""
 

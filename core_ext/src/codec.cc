@@ -48,7 +48,11 @@ std::string Parse(const uint8_t* data, size_t len, std::vector<BlobHeader>* blob
     h.scale = Load<float>(p + 12);
     h.offset = off;
     if (h.codec < kOneBit || h.codec > kDithering) return at + ": unknown codec " + std::to_string(h.codec);
-    if (h.flags & ~(kFlagScaled | kFlagServerEF)) return at + ": unknown flags " + std::to_string(h.flags);
+    if ((h.flags & ~(kFlagScaled | kFlagServerEF | kStateFlags)) || (h.flags & kStateFlags) == kStateFlags)
+      return at + ": unknown flags " + std::to_string(h.flags);
+    const bool state = h.flags & kStateFlags;
+    if (state && !(h.scale >= 0 && h.scale < 16777216.0f && h.scale == std::floor(h.scale)))
+      return at + ": state piece index is not a whole number";
     if (h.n == 0) return at + ": empty chunk";
     if (h.codec == kTopK ? (h.k == 0 || h.k > h.n) : h.k != h.n)
       return at + ": " + std::to_string(h.k) + " entries for " + std::to_string(h.n) + " elements";
@@ -58,7 +62,9 @@ std::string Parse(const uint8_t* data, size_t len, std::vector<BlobHeader>* blob
     if (size > len - off) return at + ": " + std::to_string(size) + " bytes announced, " +
                                  std::to_string(len - off) + " left";
     const uint8_t* payload = p + kHeaderBytes;
-    if (h.codec == kTopK) {
+    if (state) {
+      // a state payload is raw fp32 residual: any bits are acceptable
+    } else if (h.codec == kTopK) {
       uint32_t prev = 0;
       for (uint32_t i = 0; i < h.k; ++i) {
         const uint32_t idx = Load<uint32_t>(payload + 4 * size_t(i));
@@ -77,6 +83,8 @@ std::string Parse(const uint8_t* data, size_t len, std::vector<BlobHeader>* blob
   }
   return "";
 }
+
+size_t StateFloatsPerPiece(const BlobHeader& h) { return (BlobBytes(h.codec, h.n, h.k) - kHeaderBytes) / 4; }
 
 namespace {
 template <bool kAssign>

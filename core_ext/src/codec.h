@@ -16,6 +16,11 @@ namespace codec {
 enum Codec : uint8_t { kOneBit = 1, kTopK = 2, kDithering = 3 };
 constexpr uint8_t kFlagScaled = 1;    // onebit: magnitude = mean |x| (else 1)
 constexpr uint8_t kFlagServerEF = 2;  // the server keeps a residual for this chunk
+// Checkpointing the servers' residuals, one piece per round through the tensor's own
+// partitions: the header's scale holds the piece index, the payload raw fp32 residual.
+constexpr uint8_t kFlagStateExport = 4;  // answer with the residual's piece, change nothing
+constexpr uint8_t kFlagStateImport = 8;  // the lowest rank's payload becomes the piece
+constexpr uint8_t kStateFlags = kFlagStateExport | kFlagStateImport;
 constexpr size_t kHeaderBytes = 16;
 
 struct BlobHeader {
@@ -42,6 +47,9 @@ std::string Parse(const uint8_t* data, size_t len, std::vector<BlobHeader>* blob
 // into `acc` (h.n floats). `h` may come from another push of the same shape: the scale is
 // read from `data`.
 void DecodeInto(const BlobHeader& h, const uint8_t* data, float* acc, bool assign);
+
+// Residual floats one state piece of a blob carries (its payload, whole floats).
+size_t StateFloatsPerPiece(const BlobHeader& h);
 
 // Encodes the n floats of `x` as a blob shaped like `like` (codec, flags, param, n, k),
 // rounding dithering to the nearest level; writes BlobBytes(...) bytes to `out`.

@@ -1,6 +1,7 @@
 #include "server_handler.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "codec.h"
 #include "reduce.h"
@@ -80,11 +81,14 @@ std::string SumHandler::OnCompressedRoundComplete(Round& r) {
   if (!cp->disagreement.empty()) return cp->disagreement;
   std::sort(cp->bodies.begin(), cp->bodies.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
+  if (cp->blobs[0].flags & codec::kStateFlags) return OnStateRoundComplete(r);
   size_t total = 0;
   bool feedback = false;
   for (const auto& h : cp->blobs) {
     total += h.n;
     feedback |= (h.flags & codec::kFlagServerEF) != 0;
+    if (h.flags & codec::kStateFlags)
+      return "partition " + std::to_string(r.key) + ": a state blob among gradient blobs";
   }
   std::vector<float>* residual = nullptr;
   if (feedback) {
@@ -112,6 +116,41 @@ std::string SumHandler::OnCompressedRoundComplete(Round& r) {
     first += h.n;
   }
   cp->bodies.clear();  // the pushes' buffers go back to the pool now
+  return "";
+}
+
+std::string SumHandler::OnStateRoundComplete(Round& r) {
+  // Export: every worker gets piece p of each chunk's residual (zeros before the first
+  // round). Import: the lowest rank's pieces replace the residual; the answer echoes them.
+  auto* cp = static_cast<CompressedPushes*>(r.extra.get());
+  const bool import = cp->blobs[0].flags & codec::kFlagStateImport;
+  size_t total = 0;
+  for (const auto& h : cp->blobs) {
+    if ((h.flags & codec::kStateFlags) != (cp->blobs[0].flags & codec::kStateFlags))
+      return "partition " + std::to_string(r.key) + ": export and import blobs mixed";
+    total += h.n;
+  }
+  std::vector<float>& residual = residual_[r.key];
+  if (residual.size() != total) residual.assign(total, 0.0f);
+  const char* lowest = cp->bodies[0].second->data();
+  r.result = pool_->Acquire(r.len);
+  char* out = r.result->data();
+  std::memcpy(out, lowest, r.len);
+  size_t first = 0;
+  for (const auto& h : cp->blobs) {
+    const size_t per = codec::StateFloatsPerPiece(h);
+    const size_t begin = std::min<size_t>(h.n, static_cast<size_t>(h.scale) * per);
+    const size_t count = std::min(per, h.n - begin);
+    char* payload = out + h.offset + codec::kHeaderBytes;
+    if (import) {
+      std::memcpy(residual.data() + first + begin, payload, count * sizeof(float));
+    } else {
+      std::memset(payload, 0, per * sizeof(float));
+      std::memcpy(payload, residual.data() + first + begin, count * sizeof(float));
+    }
+    first += h.n;
+  }
+  cp->bodies.clear();
   return "";
 }
 

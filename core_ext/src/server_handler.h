@@ -89,6 +89,7 @@ class SumHandler : public ServerHandler {
  private:
   std::string OnCompressedPush(Round& round, const Push& push);
   std::string OnCompressedRoundComplete(Round& round);
+  std::string OnStateRoundComplete(Round& round);
 
   std::shared_ptr<BufferPool> pool_;
   // key -> the server's error-feedback residual of that partition (its chunks' elements

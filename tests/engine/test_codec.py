@@ -2,7 +2,11 @@
 reference byte for byte (decode in rank order, fp32 sum, server error feedback,
 re-encode), through real servers too, and malformed or disagreeing blobs are refused."""
 
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,3 +172,17 @@ def test_hierarchical_mode_sends_compressed_tensors_past_the_local_group():
             res = c.run_all(lambda rank, w: _push_pull_compressed(w, "h", pushes[rank], pushes[rank].size))
             expect = codec.server_round([p.tobytes() for p in pushes], {})
             assert all(r.tobytes() == expect for r in res)
+
+
+@pytest.mark.timeout(120)
+def test_server_residuals_survive_a_checkpoint_and_a_new_job(tmp_path):
+    # Job 1 exports the servers' residuals mid-training; job 2 (fresh servers) imports
+    # them and its next rounds answer exactly what job 1's did.
+    script = Path(__file__).parent / "scripts" / "server_state_roundtrip.py"
+    state = tmp_path / "state.npz"
+    for phase in ("first", "resume"):
+        r = subprocess.run([sys.executable, "-m", "bpstrain.launch", "--workers", "2", "--servers", "2", "--",
+                            sys.executable, str(script)], capture_output=True, text=True, timeout=100,
+                           env={**os.environ, "PHASE": phase, "STATE_FILE": str(state)})
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.count("STATE_OK") == 2, r.stdout + r.stderr
