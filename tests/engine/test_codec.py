@@ -73,7 +73,9 @@ def _header(c=codec.ONEBIT, flags=0, param=0, n=8, k=8, scale=1.0):
 MALFORMED = {
     "truncated header": b"\x01\x00\x00",
     "unknown codec": _header(c=9) + b"\0" * 4,
-    "unknown flags": _header(flags=8) + b"\0" * 4,
+    "unknown flags": _header(flags=16) + b"\0" * 4,
+    "unknown flags 12": _header(flags=12) + b"\0" * 4,  # export and import at once
+    "piece index is not a whole number": _header(flags=4, scale=1.5) + b"\0" * 4,
     "empty chunk": _header(n=0, k=0),
     "entries for": _header(k=7) + b"\0" * 4,
     "parameter 0 out of range": _header(c=codec.DITHERING, n=4, k=4) + b"\0" * 4,
