@@ -549,7 +549,8 @@ def drain_trace() -> list:
     return state.worker.drain_trace() if state.worker is not None else []
 
 
-def stats() -> Dict[str, int]:
-    """Bytes pushed/pulled and partitions completed by this worker so far."""
+def stats() -> Dict[str, float]:
+    """Bytes pushed/pulled and partitions completed by this worker so far, and the link
+    measured at rendezvous (``link_bytes_per_s``, ``link_rtt_s``; 0 when not measured)."""
     state = _require()
     return state.worker.stats() if state.worker is not None else {}

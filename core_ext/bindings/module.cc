@@ -566,6 +566,10 @@ PYBIND11_MODULE(_core, m) {
              d["bytes_pushed"] = s.bytes_pushed;
              d["bytes_pulled"] = s.bytes_pulled;
              d["partitions"] = s.partitions;
+             // The link measured at rendezvous (0 when not measured): adapters that weigh
+             // compute against wire time (compression's auto mode) read it here.
+             d["link_bytes_per_s"] = w.link().bytes_per_s;
+             d["link_rtt_s"] = w.link().rtt_s;
              return d;
            })
       .def("set_trace", &Worker::SetTrace, py::arg("on"),
