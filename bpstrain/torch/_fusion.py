@@ -89,8 +89,13 @@ class Bucket:
 
 
 def plan_buckets(params: List[torch.Tensor], prefix: str, threshold_bytes: int,
-                 bucket_bytes: int) -> List[Bucket]:
-    """Groups consecutive small parameters (walking backward) into buckets."""
+                 bucket_bytes: int, exclude: Optional[set] = None) -> List[Bucket]:
+    """Groups consecutive small parameters (walking backward) into buckets.
+
+    ``exclude``: ids of parameters that keep an operation of their own (compressed per
+    parameter, by name).
+    """
+    exclude = exclude or set()
     buckets: List[Bucket] = []
     group: List[int] = []
     size = 0
@@ -105,7 +110,7 @@ def plan_buckets(params: List[torch.Tensor], prefix: str, threshold_bytes: int,
     for i in reversed(range(len(params))):
         p = params[i]
         nbytes = p.numel() * p.element_size()
-        if threshold_bytes <= 0 or nbytes >= threshold_bytes or p.is_sparse:
+        if threshold_bytes <= 0 or nbytes >= threshold_bytes or p.is_sparse or id(p) in exclude:
             close()
             continue
         if group and (size + nbytes > bucket_bytes or p.device != params[group[0]].device

@@ -15,8 +15,10 @@ import torch
 
 from bpstrain import engine
 
-ENGINE_DTYPES: Dict[torch.dtype, str] = {getattr(torch, name): name for name in engine.DTYPES}
-"""torch dtype -> engine dtype name, for every dtype the engine has."""
+ENGINE_DTYPES: Dict[torch.dtype, str] = {getattr(torch, name): name for name in engine.DTYPES
+                                         if name != "compressed"}
+"""torch dtype -> engine dtype name, for every dtype the engine has (``"compressed"`` is
+bytes of blobs, which :mod:`bpstrain.torch._compressors` submits itself)."""
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Bytes per staging chunk when ``comm.partition_bytes`` is 0 (the engine picks its own

@@ -137,9 +137,9 @@ class _CrossBarrier(_DistributedOptimizer):
             _DistributedOptimizer.synchronize(self)
 
     def state_dict(self):
-        """The wrapped optimizer's state after every pending update."""
+        """The wrapped optimizer's state (and the compressors') after every pending update."""
         self._cb_flush()
-        return super(self.__class__, self).state_dict()
+        return _DistributedOptimizer.state_dict(self)
 
     def zero_grad(self, set_to_none: bool = True):
         """Zeroes now, or right after the update for parameters whose update is pending."""

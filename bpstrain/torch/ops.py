@@ -29,7 +29,7 @@ import torch
 from bpstrain import engine
 from bpstrain.engine import Op
 from bpstrain.torch import _tensors
-from bpstrain.torch.compression import Compression
+from bpstrain.torch.compression import Compression, GradientCompressor
 
 _DTYPES = _tensors.ENGINE_DTYPES
 _SCALAR = (1,)  # the shape a 0-d tensor is sent with
@@ -263,8 +263,14 @@ def push_pull(tensor, average=True, name=None, version=0, priority=0,
     :func:`bpstrain.engine.declare` for the whole policy).
 
     Args:
-        compression: ``Compression.fp16`` sends floating tensors as float16.
+        compression: ``Compression.fp16`` / ``bf16`` send floating tensors as 16-bit
+            floats (differentiable, as before). A stateful compressor
+            (``Compression.topk(0.01)``, ``onebit()``, ``powersgd(2)``, ...; see
+            :mod:`bpstrain.torch.compression`) needs ``name``, keeps its state for that
+            name across calls (reuse the same object) and is not differentiable.
     """
+    if isinstance(compression, GradientCompressor):
+        return engine.synchronize(compression.push_pull_async(tensor, name, average, priority))
     if compression is Compression.none and not (
             getattr(tensor, "requires_grad", False) and torch.is_grad_enabled()):
         # Nothing to differentiate or compress: the thin path, one engine operation.

@@ -30,8 +30,10 @@ from contextlib import contextmanager
 
 import torch
 
-from bpstrain.torch import _fusion, _unused, ops
+from bpstrain.torch import _compressors, _fusion, _unused, ops
 from bpstrain.torch.compression import Compression
+
+_STATE_KEY = "bpstrain_compression"  # the compressors' entry in state_dict()
 
 _instances = itertools.count()
 
@@ -71,7 +73,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         prefix = f"DistributedOptimizer.{next(_instances)}.grad."
         self._bps_names = {id(p): prefix + by_id[id(p)] for p in all_params}
         self._bps_priority = {id(p): -i for i, p in enumerate(all_params)}
+        self._bps_keys = {id(p): by_id[id(p)] for p in all_params}  # stable across rebuilds
         self._bps_compression = compression
+        # Stateful (lossy) compression works per parameter, by name: such parameters stay
+        # out of the fused buckets, which keep a classic compressor (none/fp16/bf16).
+        self._bps_codec = _compressors.for_optimizer(compression)
+        self._bps_classic = {}  # id(p) -> classic compressor of an unfused parameter
+        self._bps_stateful = {}  # id(p) -> GradientCompressor
+        if self._bps_codec is not None:
+            self._bps_compression = self._bps_codec.bucket_compressor()
+            for p in all_params:
+                classic, stateful = self._bps_codec.choose(by_id[id(p)], p.numel())
+                if stateful is not None:
+                    self._bps_stateful[id(p)] = stateful
+                else:
+                    self._bps_classic[id(p)] = classic
         self.backward_passes_per_step = backward_passes_per_step
         self._bps_delay = {id(p): backward_passes_per_step for p in all_params}
         self._bps_handles = {}  # id(p) -> (p, handle, (compressed, ctx)) of unfused parameters
@@ -79,7 +95,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bps_had_grad = {}  # id(p) -> False when synchronize() supplied zeros
         bucket_bytes = max(int(ops._runtime().chunk_bytes), 1 << 20)
         self._bps_buckets = _fusion.plan_buckets(all_params, prefix, fusion_threshold_bytes,
-                                                 bucket_bytes)
+                                                 bucket_bytes, exclude=set(self._bps_stateful))
         self._bps_bucket_of = {id(p): b for b in self._bps_buckets for p in b.params}
         self._bps_hooked = set()
         self._bps_synchronized = False
@@ -125,7 +141,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _bps_push_pull_async(self, p):
         grad = p.grad
-        compressed, ctx = self._bps_compression.compress(grad)
+        stateful = self._bps_stateful.get(id(p))
+        if stateful is not None:  # its handle's result is the average itself
+            handle = stateful.push_pull_async(grad, self._bps_names[id(p)], self._bps_average,
+                                              self._bps_priority[id(p)], key=self._bps_keys[id(p)])
+            return handle, (None, None)
+        compression = self._bps_classic.get(id(p), self._bps_compression)
+        compressed, ctx = compression.compress(grad)
         handle = ops.push_pull_async_inplace(compressed, average=self._bps_average,
                                              name=self._bps_names[id(p)],
                                              priority=self._bps_priority[id(p)])
@@ -169,9 +191,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _bps_finish_param(self, p, handle, ctx, had_grad=None):
         """Waits for an unfused parameter's push_pull and leaves the average in ``p.grad``."""
         compressed, cctx = ctx
-        ops.synchronize(handle)
-        if compressed is not p.grad:
-            p.grad.copy_(self._bps_compression.decompress(compressed, cctx))
+        result = ops.synchronize(handle)
+        if compressed is None:  # a stateful compressor's result
+            p.grad.copy_(result)
+        elif compressed is not p.grad:
+            compression = self._bps_classic.get(id(p), self._bps_compression)
+            p.grad.copy_(compression.decompress(compressed, cctx))
         had_grad = self._bps_had_grad if had_grad is None else had_grad
         _unused.none_if_unused(p, had_grad.get(id(p)))
 
@@ -184,6 +209,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bps_handles.clear()
         self._bps_fired.clear()
         self._bps_had_grad.clear()
+
+    def state_dict(self):
+        """The wrapped optimizer's state, plus the compressors' (error-feedback residuals,
+        PowerSGD's Q, step counters, auto's decisions) under ``"bpstrain_compression"``,
+        keyed by parameter name: each rank saves its own (residuals differ by rank)."""
+        state = super(self.__class__, self).state_dict()
+        if self._bps_codec is not None:
+            state[_STATE_KEY] = self._bps_codec.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict):
+        """Restores :meth:`state_dict`; the next step continues as if never interrupted
+        (the servers' own residuals are not in it: a restarted job starts them at zero)."""
+        state_dict = dict(state_dict)
+        codec_state = state_dict.pop(_STATE_KEY, None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if codec_state is not None and self._bps_codec is not None:
+            self._bps_codec.load_state_dict(codec_state)
 
     @contextmanager
     def skip_synchronize(self):
@@ -229,7 +272,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         optimizer: the optimizer to wrap.
         named_parameters: ``model.named_parameters()``; names the push_pulls (must be
             unique and cover every parameter of the optimizer).
-        compression: ``Compression.none`` or ``Compression.fp16``.
+        compression: ``Compression.none`` / ``fp16`` / ``bf16`` (or a user's
+            compress/decompress class), a stateful compressor (``Compression.onebit()``,
+            ``topk(ratio)``, ``randomk(ratio)``, ``dithering(levels)``,
+            ``powersgd(rank)``, ``auto(...)``), ``Compression.policy(...)`` (rules per
+            parameter name and size), or a spec string such as ``"topk:0.01"``. Lossy
+            ones apply per parameter (min_size 1024 elements unless a policy says
+            otherwise) with worker-side error feedback; their state is part of
+            ``state_dict()``. The optimizer takes its own copy of a stateful compressor.
         backward_passes_per_step: local accumulation: gradients of this many backward
             passes are summed locally, then averaged over ranks once.
         fusion_threshold_bytes: parameters smaller than this share push_pulls (see
