@@ -114,7 +114,15 @@ def _comm_value(name: str, raw: str, kind: type, knob: schema.Knob):
             if raw.lower() not in _TRUE + _FALSE:
                 raise ValueError(raw)
             return raw.lower() in _TRUE
-        value = kind(raw)
+        if kind is list:  # YAML text, as an override on the command line
+            import yaml
+
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                raise ValueError(raw) from None
+        else:
+            value = kind(raw)
     except ValueError:
         what = "0/1/true/false" if kind is bool else knob.describe()
         raise ConfigError(f"environment variable {name} must be {what}. "

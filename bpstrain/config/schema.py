@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 # Names the Trainer understands; the loader validates against these so that a typo
 # fails when the config is loaded, not minutes later in a child process.
@@ -43,12 +44,36 @@ _FALSE_WORDS = ("0", "false", "no", "off")
 
 # Keys that were announced but do nothing yet: setting one is an error that says so,
 # rather than a silently ignored value.
-NOT_AVAILABLE = {
-    "comm.compression": (
-        "comm.compression is not available yet (the compression work has not landed); "
-        "for fp16 gradients pass compression=bpstrain.torch.Compression.fp16 to "
-        "bpstrain.torch.DistributedOptimizer, and remove the key from the config"),
-}
+NOT_AVAILABLE: Dict[str, str] = {}
+COMPRESSION_SPECS = ("none|fp16|bf16|onebit|topk:<ratio>|randomk:<ratio>|dithering:<levels>|"
+                     "powersgd:<rank>|auto")
+
+
+def check_compression_spec(value: Any) -> Any:
+    """Raises ValueError (saying why) unless ``value`` is a compression spec string."""
+    from bpstrain._compression import parse_compression  # numpy: only when set
+
+    if not isinstance(value, str):
+        raise ValueError(f"a string, not {type(value).__name__}")
+    parse_compression(value)
+    return value
+
+
+def check_compression_rules(value: Any) -> Any:
+    """Raises ValueError (saying why) unless ``value`` is a list of compression rules."""
+    from bpstrain._compression import CompressionPolicy
+
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"a list, not {type(value).__name__}")
+    # Plain lists and dicts (an OmegaConf ListConfig of DictConfigs reaches here too).
+    value = [dict(item) if isinstance(item, Mapping) else item for item in value]
+    for item in value:
+        if isinstance(item, dict) and not isinstance(item.get("compression", "none"), str):
+            raise ValueError(f"a rule's compression is a spec string. Received: {item!r}")
+        if isinstance(item, dict) and isinstance(item.get("min_size", 0), bool):
+            raise ValueError(f"a rule's min_size is an integer. Received: {item!r}")
+    CompressionPolicy("none", value)
+    return value
 
 
 def hierarchical_mode(value: Any) -> str:
@@ -80,6 +105,8 @@ class Knob:
         above: Exclusive lower bound of a number (timeouts).
         choices: Allowed words (``comm.hierarchical`` also reads yes/no/1/0/on/off).
         pattern: Regular expression a string must match; ``expected`` describes it.
+        parse: Validates a structured value (raises ValueError saying why, which
+            :meth:`check` appends to ``expected``).
     """
 
     doc: str
@@ -90,6 +117,7 @@ class Knob:
     choices: Tuple[str, ...] = ()
     pattern: Optional[str] = None
     expected: str = ""
+    parse: Optional[Callable[[Any], Any]] = None
 
     def describe(self) -> str:
         """What a valid value looks like, e.g. ``an integer in [1, 64]``."""
@@ -112,6 +140,11 @@ class Knob:
             if word not in self.choices:
                 raise ValueError(self.describe())
             return word
+        if self.parse is not None:
+            try:
+                return self.parse(value)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"{self.describe()} ({err})") from None
         if self.pattern is not None:
             if not isinstance(value, str) or not re.fullmatch(self.pattern, value):
                 raise ValueError(self.describe())
@@ -126,9 +159,13 @@ class Knob:
 
 
 def knob(default: Any, doc: str, env: Any = (), **constraint: Any) -> Any:
-    """A dataclass field whose metadata carries its :class:`Knob`."""
+    """A dataclass field whose metadata carries its :class:`Knob` (a list default is
+    copied for each instance)."""
     names = (env,) if isinstance(env, str) else tuple(env)
-    return field(default=default, metadata={"knob": Knob(doc, names, **constraint)})
+    metadata = {"knob": Knob(doc, names, **constraint)}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -275,11 +312,29 @@ class CommConfig:
         "false on workers and servers alike leaves bodies untagged (headers stay "
         "authenticated): only on a network trusted not to alter packets.",
         "BPSTRAIN_AUTHENTICATE_BODIES")
+    compression: str = knob(
+        "none", "Gradient compression of the Trainer's DistributedOptimizer (torch and "
+        "Keras): none | fp16 | bf16 | onebit | topk:<ratio> | randomk:<ratio> | "
+        "dithering:<levels> | powersgd:<rank> | auto[:<spec>], options after ':' "
+        "(e.g. 'topk:0.01:error_feedback=false'); lossy codecs keep error feedback on "
+        "workers and servers. Tensors below compression_min_size travel uncompressed.",
+        "BPSTRAIN_COMPRESSION", parse=check_compression_spec,
+        expected=f"a compression spec: {COMPRESSION_SPECS} (e.g. 'topk:0.01')")
+    compression_rules: List[Dict[str, Any]] = knob(
+        [], "Per-tensor compression, first match wins over comm.compression: a list of "
+        "{pattern: '<glob on the parameter name>', compression: '<spec>', min_size: <elements>}.",
+        "BPSTRAIN_COMPRESSION_RULES", parse=check_compression_rules,
+        expected="a list of {pattern, compression, min_size} rules (e.g. [{pattern: "
+                 "'*.weight', min_size: 65536, compression: 'topk:0.01'}])")
+    compression_min_size: int = knob(
+        1024, "Tensors with fewer elements are never compressed (their cost is the "
+        "operation, not the bytes).", "BPSTRAIN_COMPRESSION_MIN_SIZE", min=0,
+        expected="an integer >= 0 (elements)")
 
 
 def comm_knobs() -> Dict[str, Tuple[type, Knob]]:
     """``{comm key: (its Python type, its Knob)}`` for every field of :class:`CommConfig`."""
-    types = {"int": int, "float": float, "bool": bool, "str": str}
+    types = {"int": int, "float": float, "bool": bool, "str": str, "List[Dict[str, Any]]": list}
     return {f.name: (types[f.type] if isinstance(f.type, str) else f.type, f.metadata["knob"])
             for f in dataclasses.fields(CommConfig)}
 

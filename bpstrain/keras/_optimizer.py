@@ -111,6 +111,16 @@ class _DistributedMixin:
         present = [i for i, g in enumerate(grads) if g is not None]
         keys = [self._bps_key(variables, i) for i in present]
         compression = self._bps_compression
+        if _is_stateful(compression):
+            names = [f"{self._bps_reducer.prefix}.{k}" for k in keys]
+            # Per-tensor rules match the variables' paths (``dense/kernel``).
+            labels = [str(getattr(variables[i], "path", "") or getattr(variables[i], "name", i))
+                      if i < len(variables) else str(i) for i in present]
+            reduced = compression.reduce([grads[i] for i in present], names, True,
+                                         [-k for k in keys], labels)
+            for i, value in zip(present, reduced):
+                grads[i] = value
+            return super().apply(grads, trainable_variables)
         if compression is None:
             sent, contexts = [grads[i] for i in present], [None] * len(present)
         else:
@@ -140,6 +150,34 @@ class _DistributedMixin:
             return int(self._get_variable_index(variables[i]))
         except (AttributeError, IndexError, KeyError):
             return i
+
+
+def _is_stateful(compression) -> bool:
+    # A codec with per-tensor state (bpstrain.tensorflow.Compression.topk(...) etc.)
+    # sends the gradients itself; casts go through the reducer.
+    return callable(getattr(compression, "reduce", None)) and not isinstance(compression, type)
+
+
+def _resolve(compression):
+    """A spec string or policy as the TensorFlow backend's compressor (torch has its own
+    Keras-independent path: pass bpstrain.torch's compressors there)."""
+    import keras
+
+    if compression is None or keras.backend.backend() != "tensorflow":
+        return compression
+    from bpstrain.tensorflow.compression import resolve
+
+    return resolve(compression)
+
+
+def _check_stateful_backend(compression) -> None:
+    import keras
+
+    if _is_stateful(compression) and keras.backend.backend() != "tensorflow":
+        raise ValueError("this compressor is written with TensorFlow ops; with the "
+                         f"{keras.backend.backend()} backend use that framework's "
+                         "Compression (e.g. bpstrain.torch.Compression). Received: "
+                         f"compression={compression!r}")
 
 
 def _reduce(grads, keys, reducer: GradientReducer):
@@ -205,8 +243,13 @@ def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
         compression: None, or a compressor for the backend's tensors (with the
             TensorFlow backend ``bpstrain.tensorflow.Compression.fp16``, with torch
             ``bpstrain.torch.Compression.fp16``): gradients travel compressed and come
-            back in their own dtype. Not with ``backward_passes_per_step > 1`` (the
-            local sum would be kept in the compressed dtype).
+            back in their own dtype. With the TensorFlow backend also the stateful
+            codecs (``Compression.onebit()``, ``topk(r)``, ``randomk(r)``,
+            ``dithering(s)``, ``powersgd(r)``), eagerly and inside ``model.fit``'s
+            ``tf.function``; their error-feedback state is per rank
+            (``compression.get_state()``/``set_state()``). Not with
+            ``backward_passes_per_step > 1`` (the local sum would be kept in the
+            compressed dtype).
 
     Raises:
         ValueError: ``optimizer`` is not a Keras optimizer, or is already distributed,
@@ -230,6 +273,8 @@ def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
                          "(the local sum would be kept in the compressed dtype); aggregate "
                          "uncompressed. Received: compression="
                          f"{compression!r}, backward_passes_per_step={backward_passes_per_step}")
+    compression = _resolve(compression)
+    _check_stateful_backend(compression)
     base = type(optimizer)
     reducer = GradientReducer(name or f"Distributed{base.__name__}.{next(_instances)}",
                               backward_passes_per_step,

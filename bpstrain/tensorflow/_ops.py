@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from bpstrain import _group, engine
 from bpstrain.engine import Op
-from bpstrain.tensorflow.compression import Compression, check_compression
+from bpstrain.tensorflow.compression import Compression, check_compression, is_stateful, resolve
 
 Average = Op.AVERAGE
 """``op=Average``: the mean over all ranks (Horovod's ``hvd.Average``)."""
@@ -126,7 +126,9 @@ def push_pull(tensor, average: Optional[bool] = None, name: Optional[str] = None
             disagree get an error, not a wait): a function traced again with another
             shape or dtype, or two functions of one Python name, need explicit names.
         priority: Larger is sent sooner.
-        compression: ``Compression.fp16`` sends floating tensors as float16.
+        compression: A cast (``Compression.fp16``/``bf16``: the tensor travels in that
+            dtype) or a stateful codec (``Compression.topk(0.01)`` etc., which keeps an
+            error-feedback residual under ``name``; not differentiable).
         op: ``Average`` or ``Sum`` (Horovod's spelling of ``average``).
 
     Returns:
@@ -138,9 +140,12 @@ def push_pull(tensor, average: Optional[bool] = None, name: Optional[str] = None
         ValueError: both ``average`` and ``op``, or an ``op`` other than Average/Sum.
     """
     average = resolve_average(average, op)
+    compression = resolve(compression)
     check_compression(compression)
     tensor = tf.convert_to_tensor(tensor)
     name = tensor_name("push_pull", tensor, name)
+    if is_stateful(compression):
+        return compression.reduce([tensor], [name], average, [priority])[0]
     sent, ctx = compression.compress(tensor)
     return compression.decompress(_push_pull(sent, average, name, priority), ctx)
 

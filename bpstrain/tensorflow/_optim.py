@@ -9,7 +9,8 @@ import tensorflow as tf
 
 from bpstrain import _group
 from bpstrain.tensorflow import _ops
-from bpstrain.tensorflow.compression import Compression, check_compression
+from bpstrain.tensorflow.compression import (Compression, check_compression, reduce_with,
+                                             resolve)
 
 
 def broadcast_variables(variables: Iterable, root_rank: int, name: str = "broadcast"):
@@ -40,16 +41,15 @@ def reduce_gradients(grads: Sequence, sources: Sequence, prefix: str,
 
     Engine names are ``<prefix>.<source variable path>`` (index for unnamed
     sources). IndexedSlices (embedding gradients) are sent dense, compressed by
-    ``compression`` on the way.
+    ``compression`` on the way (a stateful codec keys its state by those names).
     """
     present = [i for i, g in enumerate(grads) if g is not None]
     names = _group.unique_names([
         f"{prefix}.{_source_name(sources[i], i) if i < len(sources) else i}" for i in present])
-    sent = [compression.compress(tf.convert_to_tensor(grads[i])) for i in present]
-    reduced = _ops.run_group("push_pull", [t for t, _ in sent], names, average)
+    reduced = reduce_with(compression, [grads[i] for i in present], names, average)
     out = list(grads)
-    for i, value, (_, ctx) in zip(present, reduced, sent):
-        out[i] = compression.decompress(value, ctx)
+    for i, value in zip(present, reduced):
+        out[i] = value
     return out
 
 
@@ -95,8 +95,10 @@ def DistributedGradientTape(gradtape: tf.GradientTape, average: Optional[bool] =
         average: Average (default) or sum the gradients; or say it with ``op``.
         name: Prefix of the engine names; give two tapes over different variables
             with the same paths distinct names.
-        compression: ``Compression.fp16`` sends floating gradients as float16 (they
-            come back in their own dtype).
+        compression: ``Compression.fp16``/``bf16`` send floating gradients in that
+            dtype (they come back in their own); a stateful codec
+            (``Compression.onebit()``, ``topk(r)``, ...) compresses with error feedback
+            keyed by the engine names.
         op: ``Average`` (default) or ``Sum``, as in Horovod.
         device_dense, device_sparse: Accepted for Horovod/BytePS compatibility and
             ignored: gradients travel through host memory.
@@ -110,6 +112,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, average: Optional[bool] =
             Average/Sum, or a ``compression`` without compress/decompress.
     """
     average = _ops.resolve_average(average, op)
+    compression = resolve(compression)  # a spec string or policy too
     check_compression(compression)
     if not isinstance(gradtape, tf.GradientTape):
         raise ValueError("DistributedGradientTape wraps a tf.GradientTape. "
@@ -173,7 +176,8 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, average: Optiona
         average: Average (default) or sum; v1 optimizers only (Keras always averages).
         backward_passes_per_step: Keras optimizers only; see bpstrain.keras.
         average_aggregated_gradients: Keras optimizers only; see bpstrain.keras.
-        compression: ``Compression.fp16`` sends floating gradients as float16.
+        compression: A cast (``Compression.fp16``/``bf16``) or a stateful codec
+            (``Compression.topk(0.01)`` etc.; see :mod:`bpstrain.tensorflow.compression`).
         op: ``Average`` (default) or ``Sum`` (v1 optimizers only), as in Horovod.
         device_dense, device_sparse, sparse_as_dense: Accepted for Horovod/BytePS
             compatibility and ignored (host memory; IndexedSlices are sent dense).
@@ -184,6 +188,7 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, average: Optiona
     import keras
 
     average = _ops.resolve_average(average, op)
+    compression = resolve(compression)  # a spec string or policy too
     check_compression(compression)
     if isinstance(optimizer, keras.optimizers.Optimizer):
         if not average:

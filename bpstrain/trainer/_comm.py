@@ -44,13 +44,31 @@ class Comm:
             self._torch = bps_torch
         return self._torch
 
+    def compression_policy(self):
+        """The ``comm.compression*`` keys in force (config over environment) as a
+        :class:`bpstrain._compression.CompressionPolicy`; None when nothing is compressed."""
+        options = engine.options()
+        spec = options.get("compression") or "none"
+        rules = list(options.get("compression_rules") or ())
+        if spec == "none" and not rules:
+            return None
+        from bpstrain._compression import parse_policy
+
+        return parse_policy(spec, rules, int(options.get("compression_min_size", 1024)))
+
     def wrap_optimizer(self, optimizer, module, backward_passes_per_step: int = 1):
-        """The optimizer whose ``step()`` applies gradients averaged over all ranks."""
+        """The optimizer whose ``step()`` applies gradients averaged over all ranks
+        (compressed as ``comm.compression`` says; its state_dict carries the
+        error-feedback state, so the Trainer's checkpoints do)."""
         if not self.distributed:
             return optimizer
+        extra = {}
+        policy = self.compression_policy()
+        if policy is not None:
+            extra["compression"] = policy
         return self._adapter().DistributedOptimizer(
             optimizer, named_parameters=module.named_parameters(),
-            backward_passes_per_step=backward_passes_per_step)
+            backward_passes_per_step=backward_passes_per_step, **extra)
 
     def broadcast_state(self, module, optimizers=None) -> None:
         """Makes every rank start from rank 0's parameters and optimizers' state.

@@ -129,13 +129,15 @@ def _set_clipping(optimizer, value: float, algorithm: str) -> None:
     setattr(target, key, float(value))
 
 
-def _compile(model, cfg, size: int, training: bool = True) -> None:
+def _compile(model, cfg, size: int, training: bool = True, compression=None) -> None:
     """(Re-)compiles ``model`` for this job: its optimizer gets the config's clipping,
     loss scaling under a mixed_float16 policy, and DistributedOptimizer on several ranks.
 
     Args:
         training: False for validate/test/predict: only an uncompiled model is compiled
             (from the config), nothing is wrapped.
+        compression: The ``comm.compression*`` policy (``Comm.compression_policy``) the
+            DistributedOptimizer applies; None: none.
     """
     import keras
 
@@ -193,8 +195,31 @@ def _compile(model, cfg, size: int, training: bool = True) -> None:
             # rank skips the same steps (Keras' own wrapping would go outside).
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         if size > 1:
-            optimizer = DistributedOptimizer(optimizer)
+            optimizer = DistributedOptimizer(optimizer, compression=_compressor(compression))
+            if compression is not None and _decides_eagerly(compression):
+                args["run_eagerly"] = True  # auto decides per step in Python
     model.compile(**{**args, "optimizer": optimizer})
+
+
+def _compressor(policy):
+    """The TensorFlow compressor of a compression policy (None stays None)."""
+    if policy is None:
+        return None
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        raise ConfigError("comm.compression with a Keras model needs the TensorFlow backend "
+                          "(the codecs are TensorFlow ops); set KERAS_BACKEND=tensorflow or "
+                          "train a torch module. Received: KERAS_BACKEND="
+                          f"{keras.backend.backend()!r}, comm.compression='{policy.default}'")
+    from bpstrain.tensorflow.compression import PolicyCompressor
+
+    return PolicyCompressor(policy)
+
+
+def _decides_eagerly(policy) -> bool:
+    return any(spec.codec == "auto" for spec in
+               [policy.default, *(rule.compression for rule in policy.rules)])
 
 
 def _bridge(trainer, model, samples: int, size: int, val_samples: int = 0):
@@ -289,7 +314,7 @@ def fit_keras(trainer, model, data: Any, val_data: Any) -> History:
     trainer.num_training_batches = math.ceil(len(x) / batch)
     trainer.num_val_batches = math.ceil(len(validation[0]) / batch) if validation else 0
     with precision_policy(model, str(cfg.trainer.precision)):
-        _compile(model, cfg, trainer.size)
+        _compile(model, cfg, trainer.size, compression=trainer.comm.compression_policy())
         # Our MetricAveraging averages the logs (so torch and Keras behave the same).
         keras_callbacks = [BytePSCallback(average_metrics=False),
                            _bridge(trainer, model, len(x), batch,

@@ -3,6 +3,7 @@ environment reader, the config loader and engine.init apply it alike."""
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -88,17 +89,59 @@ def test_first_environment_variable_wins():
         read_env({"BPSTRAIN_PRIORITY": "maybe"})
 
 
-@pytest.mark.parametrize("where", ["dict", "override", "engine"])
-def test_comm_compression_is_not_available_yet(standalone, where):
-    with pytest.raises(ConfigError, match=r"comm.compression is not available yet.*"
-                       r"Compression.fp16.*Received: comm.compression='fp16'"):
-        if where == "dict":
-            load_config({"comm": {"compression": "fp16"}})
-        elif where == "override":
-            load_config(overrides=["comm.compression=fp16"])
-        else:
-            engine.init({"compression": "fp16"})
-    assert "compression" not in CommConfig.__dataclass_fields__
+RULES = [{"pattern": "*.weight", "min_size": 65536, "compression": "topk:0.01"},
+         {"pattern": "*.bias", "compression": "none"}]
+
+
+def test_comm_compression_keys_load_from_config_overrides_and_environment(standalone):
+    cfg = load_config({"comm": {"compression": "onebit", "compression_rules": RULES,
+                                "compression_min_size": 4096}})
+    assert cfg.comm.compression == "onebit" and cfg.comm.compression_min_size == 4096
+    assert [dict(r) for r in cfg.comm.compression_rules] == RULES
+    assert CommConfig().compression == "none" and CommConfig().compression_rules == []
+    for spec in ("none", "fp16", "bf16", "onebit", "topk:0.01", "randomk:0.05", "dithering:16",
+                 "powersgd:2", "auto", "auto:topk:0.01", "onebit:scaled=false",
+                 "topk:0.01,error_feedback=false"):
+        assert load_config(overrides=[f"comm.compression={spec}"]).comm.compression == spec
+    env = read_env({"BPSTRAIN_COMPRESSION": "topk:0.01", "BPSTRAIN_COMPRESSION_MIN_SIZE": "0",
+                    "BPSTRAIN_COMPRESSION_RULES": "[{pattern: '*.bias', compression: fp16}]"})
+    assert env.comm == {"compression": "topk:0.01", "compression_min_size": 0,
+                        "compression_rules": [{"pattern": "*.bias", "compression": "fp16"}]}
+    engine.init({"compression": "powersgd:2", "compression_rules": RULES})
+    assert engine.options()["compression"] == "powersgd:2"
+    assert engine.options()["compression_rules"] == RULES
+
+
+BAD_COMPRESSION = [  # key, value, what the message must say
+    ("compression", "topk", r"topk needs a ratio in \(0, 1\]"),
+    ("compression", "topk:1.5", r"topk needs a ratio"),
+    ("compression", "zip", r"unknown compression; expected one of none, fp16"),
+    ("compression", "dithering:200", r"levels in 1..127"),
+    ("compression", "onebit:ratio=0.1", r"onebit takes scaled"),
+    ("compression_rules", [{"patern": "*"}], r"a compression rule is \{pattern"),
+    ("compression_rules", [{"pattern": "*", "compression": "powersgd:0"}], r"rank >= 1"),
+    ("compression_min_size", -1, r"an integer >= 0"),
+]
+
+
+@pytest.mark.parametrize("key, value, why", BAD_COMPRESSION)
+def test_bad_compression_keys_name_the_key_and_say_why(standalone, key, value, why):
+    with pytest.raises(ConfigError) as from_loader:
+        load_config({"comm": {key: value}})
+    message = str(from_loader.value)
+    assert message.startswith(f"Config key 'comm.{key}' must be ") and "Received: comm." in message
+    assert re.search(why, message), message
+    with pytest.raises(ConfigError) as from_engine:
+        engine.init({key: value})
+    assert str(from_engine.value) == message
+
+
+def test_bad_compression_environment_variable_is_named(standalone):
+    with pytest.raises(ConfigError, match=r"BPSTRAIN_COMPRESSION must be a compression spec.*"
+                       r"Received: BPSTRAIN_COMPRESSION='topk:2'"):
+        read_env({"BPSTRAIN_COMPRESSION": "topk:2"})
+    with pytest.raises(ConfigError, match=r"BPSTRAIN_COMPRESSION_RULES must be"):
+        read_env({"BPSTRAIN_COMPRESSION_RULES": "[{pattern: '*', compression: zip}]"})
 
 
 def test_yaml_booleans_for_hierarchical_are_read_as_words():

@@ -62,7 +62,8 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: st
         name: Prefix of the engine names (see bpstrain.keras).
         device_dense, device_sparse, sparse_as_dense: Accepted and ignored
             (gradients travel through host memory, IndexedSlices dense).
-        compression: ``Compression.none`` or ``Compression.fp16``.
+        compression: ``Compression.none``, ``fp16``, ``bf16`` or a stateful codec
+            (``Compression.onebit()``, ``topk(r)``, ... of bpstrain.tensorflow).
         gradient_predivide_factor: Only 1.0 (no split of the averaging).
         op: ``Average`` only: Keras gradients are always averaged.
         backward_passes_per_step: Local aggregation, see bpstrain.keras.
