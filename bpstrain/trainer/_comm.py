@@ -93,6 +93,13 @@ class Comm:
             return obj
         return self._adapter().broadcast_object(obj, root_rank=0, name=name)
 
+    def gather_object(self, obj: Any, name: str) -> list:
+        """Every rank's picklable ``obj``, in rank order, on every rank (collective)."""
+        if not self.distributed:
+            return [obj]
+        return [self._adapter().broadcast_object(obj if r == self.rank else None, root_rank=r,
+                                                 name=f"{name}.{r}") for r in range(self.size)]
+
     def sum(self, values: np.ndarray, name: str) -> np.ndarray:
         """Element-wise sum of a float64 vector over all ranks (same length everywhere)."""
         values = np.ascontiguousarray(values, dtype=np.float64)

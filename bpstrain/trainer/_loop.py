@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
 from bpstrain.config import ConfigError
-from bpstrain.trainer import _data, _optim
+from bpstrain.trainer import _compression_state, _data, _optim
 from bpstrain.trainer._dispatch import fire, module_hook
 from bpstrain.trainer._precision import Precision, optimizer_step
 from bpstrain.trainer.callbacks.checkpoint import find_last_checkpoint, read_checkpoint
@@ -103,15 +103,19 @@ def _means(sums: Sums) -> Dict[str, float]:
     return {k: (s / n if n else math.nan) for k, (s, n) in sums.items()}
 
 
-def _restore(trainer, module, optimizers: list) -> None:
+def _restore(trainer, module, optimizers: list) -> Optional[dict]:
     """Loads the checkpoint ``trainer.resume`` names; rank 0 reads it, everyone gets it.
 
     Reading on rank 0 only makes every rank take the same decision (resume or start
     fresh) and works when the other ranks cannot see ``out_dir``.
+
+    Returns:
+        The checkpoint loaded (None: starting fresh), for what is restored after the
+        optimizers are wrapped (the compressors' error-feedback state).
     """
     resume = trainer.config.trainer.resume
     if not resume:
-        return
+        return None
     loaded = None
     if trainer.rank == 0:
         path = find_last_checkpoint(trainer.out_dir) if resume == "auto" else resume
@@ -119,7 +123,7 @@ def _restore(trainer, module, optimizers: list) -> None:
     loaded = trainer.comm.broadcast_object(loaded, "trainer.resume")
     if loaded is None:
         trainer.print(f"trainer.resume=auto: no checkpoint in {trainer.out_dir}; starting fresh")
-        return
+        return None
     path, ckpt = loaded
     hook = module_hook(module, "on_load_checkpoint")
     if hook is not None:  # Lightning calls the module's before it restores the weights
@@ -151,6 +155,7 @@ def _restore(trainer, module, optimizers: list) -> None:
         torch.set_rng_state(ckpt["rng"])
     fire(trainer.callbacks, "load_checkpoint", trainer, module, checkpoint=ckpt)
     trainer.print(f"resumed from {path} (epoch {trainer.current_epoch})")
+    return ckpt
 
 
 def _build_optimizers(trainer, module) -> tuple:
@@ -207,9 +212,10 @@ def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
     trainer.num_training_batches = max(steps - steps % passes, min(steps, passes))
     optimizers, trainer.lr_schedulers = _build_optimizers(trainer, module)
     trainer.module, trainer.optimizers, trainer.optimizer = module, optimizers, optimizers[0]
-    _restore(trainer, module, optimizers)
+    ckpt = _restore(trainer, module, optimizers)
     trainer.optimizers = [comm.wrap_optimizer(o, module, passes) for o in optimizers]
     trainer.optimizer = trainer.optimizers[0]
+    _compression_state.restore(trainer, ckpt)  # each rank its own residuals
     _optim.rebind_schedulers(trainer.lr_schedulers, optimizers, trainer.optimizers)
     comm.broadcast_state(module, optimizers)
     step_schedulers = [s for s in trainer.lr_schedulers if s.interval == "step"]

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from bpstrain.config import ConfigError, load_config
 from bpstrain.config.schema import CommConfig
+from bpstrain.trainer import _compression_state
 from bpstrain.trainer import callbacks as cbs
 from bpstrain.trainer._dispatch import fire, ordered
 from bpstrain.trainer.history import History
@@ -382,5 +383,8 @@ class Trainer:
             "lr_schedulers_pending": self.schedulers_pending,
             "run_name": self.run_name,
         }
+        compression = _compression_state.checkpoint_entry(self)
+        if compression is not None:  # every rank's error feedback (see _compression_state)
+            state[_compression_state.CHECKPOINT_KEY] = compression
         fire(self.callbacks, "save_checkpoint", self, self.module, checkpoint=state)
         return state

@@ -147,3 +147,40 @@ class KerasBatchEnd(Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.batches.append((batch, sorted(logs)))
+
+
+def tensor_total(state) -> float:
+    """Sum of |x| over every tensor or array nested in ``state`` (dicts, lists)."""
+    if isinstance(state, dict):
+        return sum(tensor_total(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(tensor_total(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        return float(state.detach().abs().sum())
+    if isinstance(state, np.ndarray):
+        return float(np.abs(state).sum())
+    return 0.0
+
+
+class CompressionProbe(Callback):
+    """Records, per rank, the size of the optimizer's compression state at fit start
+    (after a resume restored it) and at the end of every epoch."""
+
+    def __init__(self):
+        self.at_start = None
+        self.at_epoch_end = []
+
+    def _total(self, trainer):
+        return tensor_total(trainer.optimizer.state_dict().get("bpstrain_compression"))
+
+    def on_train_start(self, trainer, module):
+        self.at_start = self._total(trainer)
+
+    def on_train_epoch_end(self, trainer, module):
+        self.at_epoch_end.append(self._total(trainer))
+
+    def state_dict(self):
+        return {"at_start": self.at_start, "at_epoch_end": self.at_epoch_end}
+
+    def load_state_dict(self, state):
+        self.at_start, self.at_epoch_end = state["at_start"], state["at_epoch_end"]

@@ -22,6 +22,14 @@ from bpstrain.trainer.callbacks.base import Callback
 LAST = "last.ckpt"
 
 
+def _gather_compression_state(trainer) -> None:
+    # Collective (every rank hands its residuals to rank 0); torch Trainers only.
+    if hasattr(trainer, "checkpoint_state") and getattr(trainer, "comm", None) is not None:
+        from bpstrain.trainer import _compression_state
+
+        _compression_state.gather(trainer)
+
+
 def checkpoint_dir(run_dir: Union[str, os.PathLike]) -> Path:
     """Where :class:`ModelCheckpoint` writes by default: ``<run folder>/checkpoints``."""
     return Path(run_dir) / "checkpoints"
@@ -143,7 +151,13 @@ class ModelCheckpoint(Callback):
         return path
 
     def save(self, trainer, module) -> Optional[Path]:
-        """Writes a periodic checkpoint of the current state now (rank 0; others: None)."""
+        """Writes a periodic checkpoint of the current state now (rank 0; others: None).
+
+        Every rank must call it at the same point: with ``comm.compression`` each rank's
+        error-feedback state is gathered to rank 0 first.
+        """
+        _gather_compression_state(trainer)
+        self._saved_epoch = trainer.current_epoch  # on every rank: on_train_end agrees
         if not trainer.is_global_zero:
             return None
         path = self._write(trainer, f"epoch={trainer.current_epoch:04d}.ckpt")
@@ -183,6 +197,8 @@ class ModelCheckpoint(Callback):
         best = (min if self.mode == "min" else max)(self.best_k_models.values())
         self.best_model_path = next(p for p, v in self.best_k_models.items() if v == best)
         self.best_model_score = best
+        _gather_compression_state(trainer)
+        self._saved_epoch = trainer.current_epoch
         if trainer.is_global_zero:
             self._write(trainer, name)
             if drop is not None:
