@@ -26,7 +26,7 @@ _HEADERS: Dict[Tuple, torch.Tensor] = {}
 def _weights(device: torch.device) -> torch.Tensor:
     w = _BIT_WEIGHTS.get(device)
     if w is None:
-        w = _BIT_WEIGHTS[device] = (2 ** torch.arange(8, dtype=torch.int32)).to(device)
+        w = _BIT_WEIGHTS[device] = (2 ** torch.arange(8)).to(torch.uint8).to(device)
     return w
 
 
@@ -59,15 +59,17 @@ def encode_onebit(x: torch.Tensor, scaled: bool = True, flags: int = 0
     n = x.numel()
     if scaled:
         flags |= _codec.FLAG_SCALED
-        scale = (x.double().abs().sum() / n).float()
+        total = x.abs().sum(dtype=torch.float64)  # |x| is exact in fp32: sum in fp64
+        scale = (total / torch.full_like(total, n)).float()  # true division (see dithering)
     else:
         scale = torch.ones((), dtype=torch.float32, device=x.device)
     neg = x < 0
-    bits = neg.to(torch.int32)
+    bits = neg.view(torch.uint8)
     pad = (-n) % 8
     if pad:
         bits = torch.cat([bits, bits.new_zeros(pad)])
-    packed = (bits.view(-1, 8) * _weights(x.device)).sum(1).to(torch.uint8)
+    # Bit j of byte i is element 8i + j: weights 1..128 summed in uint8 (no carries).
+    packed = (bits.view(-1, 8) * _weights(x.device)).sum(1, dtype=torch.uint8)
     blob = torch.cat([_header(_codec.ONEBIT, flags, 0, n, n, scale), _pad4(packed)])
     return blob, torch.where(neg, -scale, scale)
 
@@ -119,7 +121,9 @@ def encode_dithering(x: torch.Tensor, levels: int, flags: int = 0,
     q = torch.where(valid, q, torch.zeros_like(q)).to(torch.int8)
     blob = torch.cat([_header(_codec.DITHERING, flags, levels, n, n, scale),
                       _pad4(q.view(torch.uint8))])
-    return blob, q.to(torch.float32) * (scale / torch.tensor(levels, dtype=torch.float32))
+    # Both operands on the device: CUDA divides by a host scalar as a multiplication by
+    # its reciprocal, one ulp off the reference's true division.
+    return blob, q.to(torch.float32) * (scale / torch.full_like(scale, levels))
 
 
 def _chunk_k(spec: CompressionSpec, n: int) -> int:
@@ -174,9 +178,8 @@ def decode(spec: CompressionSpec, data: torch.Tensor, numel: int) -> torch.Tenso
         dst = out[start:start + n]
         if spec.codec == "onebit":
             scale = blob[12:16].view(torch.float32)
-            bits = (blob[p:p + (n + 7) // 8].to(torch.int32).unsqueeze(1)
-                    >> torch.arange(8, device=data.device, dtype=torch.int32)) & 1
-            neg = bits.flatten()[:n].bool()
+            packed = blob[p:p + (n + 7) // 8].unsqueeze(1)
+            neg = (packed & _weights(data.device)).ne(0).flatten()[:n]
             torch.where(neg, -scale, scale, out=dst)
         elif spec.codec == "topk":
             idx = blob[p:p + 4 * k].view(torch.int32).long()
@@ -184,7 +187,7 @@ def decode(spec: CompressionSpec, data: torch.Tensor, numel: int) -> torch.Tenso
             dst[idx] = blob[p + 4 * k:p + 8 * k].view(torch.float32)
         elif spec.codec == "dithering":
             scale = blob[12:16].view(torch.float32)
-            step = scale / torch.tensor(spec.levels, dtype=torch.float32, device=data.device)
+            step = scale / torch.full_like(scale, spec.levels)  # true division (see encode)
             torch.mul(blob[p:p + n].view(torch.int8).to(torch.float32), step, out=dst)
         else:
             raise ValueError(f"not a byte codec. Received: {spec}")

@@ -220,15 +220,42 @@ class ByteCodecCompressor(GradientCompressor):
         src = host.numpy()
         dst = np.empty_like(src)
         _, part = blob_layout(spec, x.numel())
+        # Declared as plain host bytes (no device or layout): the servers' state rounds
+        # (bpstrain._server_state) use the name so, and another declaration would make
+        # new keys with empty residuals. Ranks that compress differently still fail: the
+        # servers refuse blobs that disagree.
         handle = engine.submit(name, "compressed", src.shape, src, dst, Op.SUM, priority=priority,
-                               device=tensor.device.type, layout=str(spec), partition_bytes=part)
+                               partition_bytes=part)
         count = engine.size()
 
         def finish(answer):
             out = _codecs.decode(spec, torch.from_numpy(answer).to(tensor.device), x.numel())
-            return _restore(out.div_(count) if average else out, tensor)
+            if average:  # by a device tensor: CUDA divides by a host scalar inexactly
+                out.div_(torch.full((), count, dtype=torch.float32, device=out.device))
+            return _restore(out, tensor)
 
         return _Op(handle, finish, clock, 4 * x.numel(), src.size)
+
+    def _template(self, numel: int) -> Tuple[bytes, int]:
+        """A wire string of the tensor's layout (for state rounds) and its partition bytes."""
+        data, _ = _codecs.encode(self.spec, torch.zeros(numel))
+        return data.numpy().tobytes(), blob_layout(self.spec, numel)[1]
+
+    def export_server_residual(self, name: str, numel: int) -> Optional[np.ndarray]:
+        """The servers' residual of tensor ``name`` (flat fp32), None when they keep none.
+        Collective: every rank calls it for the same tensors in the same order."""
+        if not self.spec.server_error_feedback:
+            return None
+        from bpstrain import _server_state
+
+        return _server_state.export_residual(name, *self._template(numel))
+
+    def import_server_residual(self, name: str, numel: int, residual: np.ndarray) -> None:
+        """Makes ``residual`` the servers' residual of ``name`` (collective, as export)."""
+        from bpstrain import _server_state
+
+        template, part = self._template(numel)
+        _server_state.import_residual(name, template, part, residual)
 
 
 class RandomKCompressor(GradientCompressor):

@@ -136,10 +136,11 @@ class _CrossBarrier(_DistributedOptimizer):
         if self.in_flight():
             _DistributedOptimizer.synchronize(self)
 
-    def state_dict(self):
-        """The wrapped optimizer's state (and the compressors') after every pending update."""
+    def state_dict(self, server_state: bool = False):
+        """The wrapped optimizer's state (and the compressors') after every pending update
+        (``server_state``: see DistributedOptimizer's)."""
         self._cb_flush()
-        return _DistributedOptimizer.state_dict(self)
+        return _DistributedOptimizer.state_dict(self, server_state)
 
     def zero_grad(self, set_to_none: bool = True):
         """Zeroes now, or right after the update for parameters whose update is pending."""

@@ -210,23 +210,58 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bps_fired.clear()
         self._bps_had_grad.clear()
 
-    def state_dict(self):
+    def state_dict(self, server_state: bool = False):
         """The wrapped optimizer's state, plus the compressors' (error-feedback residuals,
         PowerSGD's Q, step counters, auto's decisions) under ``"bpstrain_compression"``,
-        keyed by parameter name: each rank saves its own (residuals differ by rank)."""
+        keyed by parameter name: each rank saves its own (residuals differ by rank).
+
+        Args:
+            server_state: also fetch the servers' residuals of onebit/top-k/dithering
+                parameters, so that a resumed job answers exactly what this one would
+                have. **Collective**: every rank must call it at the same point (costs
+                about one dense copy of those gradients on the wire). Without it a
+                resumed job starts the servers' residuals at zero.
+        """
         state = super(self.__class__, self).state_dict()
         if self._bps_codec is not None:
             state[_STATE_KEY] = self._bps_codec.state_dict()
+            if server_state:
+                state[_STATE_KEY]["servers"] = self._bps_server_residuals()
         return state
 
     def load_state_dict(self, state_dict):
-        """Restores :meth:`state_dict`; the next step continues as if never interrupted
-        (the servers' own residuals are not in it: a restarted job starts them at zero)."""
+        """Restores :meth:`state_dict`; the next step continues as if never interrupted.
+
+        When the state carries the servers' residuals (``state_dict(server_state=True)``)
+        they are sent back to the servers: then this call is collective too.
+        """
         state_dict = dict(state_dict)
         codec_state = state_dict.pop(_STATE_KEY, None)
         super(self.__class__, self).load_state_dict(state_dict)
         if codec_state is not None and self._bps_codec is not None:
             self._bps_codec.load_state_dict(codec_state)
+            servers = codec_state.get("servers", {})
+            if servers and self._bps_active:
+                for p, comp in self._bps_byte_codecs():
+                    residual = servers.get(self._bps_keys[id(p)])
+                    if residual is not None:
+                        comp.import_server_residual(self._bps_names[id(p)], p.numel(), residual)
+
+    def _bps_byte_codecs(self):
+        """(parameter, compressor) of the parameters the servers keep residuals for, in
+        parameter order (the same on every rank)."""
+        out = []
+        for p in self._bps_params():
+            comp = self._bps_stateful.get(id(p))
+            if isinstance(comp, _compressors.ByteCodecCompressor) and comp.spec.server_error_feedback:
+                out.append((p, comp))
+        return out
+
+    def _bps_server_residuals(self):
+        if not self._bps_active:
+            return {}
+        return {self._bps_keys[id(p)]: comp.export_server_residual(self._bps_names[id(p)], p.numel())
+                for p, comp in self._bps_byte_codecs()}
 
     @contextmanager
     def skip_synchronize(self):
