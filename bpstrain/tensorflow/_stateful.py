@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from bpstrain import _codec, engine
+from bpstrain import _codec, _group, engine
 from bpstrain._compression import powersgd_initial_q
 from bpstrain.tensorflow import _wire
 
@@ -52,7 +52,7 @@ class StatefulCompressor(tf.Module):
             Tensors of the inputs' dtypes and shapes.
         """
         tensors = [tf.convert_to_tensor(t) for t in tensors]
-        priorities = list(priorities) if priorities is not None else [-i for i in range(len(tensors))]
+        priorities = _group._priorities(priorities, len(tensors))  # default -index
         mine = [i for i, t in enumerate(tensors) if self._accepts(t)]
         out: List[Optional[tf.Tensor]] = [None] * len(tensors)
         plain = [i for i in range(len(tensors)) if i not in set(mine)]

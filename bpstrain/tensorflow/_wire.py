@@ -120,7 +120,8 @@ def encode_chunk(layout: Layout, i: int, x: tf.Tensor, u: Optional[tf.Tensor] = 
 
 
 def decode_chunk(layout: Layout, i: int, blob: tf.Tensor) -> tf.Tensor:
-    """The flat float32 chunk ``i`` of ``blob`` (uint8, the layout's blob); see ``_codec.decode``."""
+    """The flat float32 chunk ``i`` of ``blob`` (uint8, the layout's blob); see
+    ``_codec.decode``."""
     codec, n, k = layout.codec, layout.chunks[i], layout.ks[i]
     h = _codec.HEADER_BYTES
     scale = tf.bitcast(blob[h - 4:h], tf.float32)

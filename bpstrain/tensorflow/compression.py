@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from bpstrain import _group
 from bpstrain._compression import (AutoPolicy, CompressionPolicy, CompressionSpec, Compressor,
                                    HalfCompressor, NoneCompressor, parse_compression,
                                    parse_policy, wire_bytes)
@@ -141,7 +142,8 @@ class AutoCompressor(tf.Module):
         super().__init__()
         self.spec: CompressionSpec = parse_compression(compression or "fp16")
         if self.spec.codec in ("auto", "none"):
-            raise ValueError(f"auto wraps a compressing codec. Received: compression={compression!r}")
+            raise ValueError("auto wraps a compressing codec. "
+                             f"Received: compression={compression!r}")
         self.inner = from_spec(self.spec)
         self.policy = AutoPolicy(steps, bandwidth)
 
@@ -159,7 +161,7 @@ class AutoCompressor(tf.Module):
                 "model.compile(run_eagerly=True) (Keras) or call it outside tf.function, "
                 "or pick a codec (e.g. Compression.fp16). Received: a tf.function trace")
         tensors = [tf.convert_to_tensor(t) for t in tensors]
-        priorities = list(priorities) if priorities is not None else [-i for i in range(len(tensors))]
+        priorities = _group._priorities(priorities, len(tensors))  # default -index
         out: List[Optional[tf.Tensor]] = [None] * len(tensors)
         compressed, plain = [], []
         for i, (t, name) in enumerate(zip(tensors, names)):
@@ -239,7 +241,7 @@ class PolicyCompressor(tf.Module):
         """Like :meth:`StatefulCompressor.reduce`, one group per spec chosen by ``labels``
         (default ``names``) and size."""
         tensors = [tf.convert_to_tensor(t) for t in tensors]
-        priorities = list(priorities) if priorities is not None else [-i for i in range(len(tensors))]
+        priorities = _group._priorities(priorities, len(tensors))  # default -index
         groups: Dict[str, List[int]] = {}
         specs: Dict[str, CompressionSpec] = {}
         for i, (t, label) in enumerate(zip(tensors, labels or names)):

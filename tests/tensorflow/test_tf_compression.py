@@ -149,14 +149,22 @@ def test_randomk_and_powersgd_follow_the_shared_seeds():
 
 
 @pytest.mark.usefixtures("standalone_engine")
-def test_graph_mode_equals_eager_mode_and_carries_the_state():
-    x = tf.constant(_data(300).reshape(3, 100))
-    eager, graph = Compression.topk(0.1), Compression.topk(0.1)
-    step = tf.function(lambda t: graph.reduce([t], ["g"])[0])
+@pytest.mark.parametrize("make", [
+    lambda: Compression.topk(0.1), lambda: Compression.onebit(),
+    lambda: Compression.dithering(4, stochastic=False), lambda: Compression.randomk(0.1),
+    lambda: Compression.powersgd(2), lambda: Compression.policy("topk:0.1", min_size=50)],
+    ids=["topk", "onebit", "dithering", "randomk", "powersgd", "policy"])
+def test_graph_mode_equals_eager_mode_and_carries_the_state(make):
+    x, b = tf.constant(_data(300).reshape(10, 30)), tf.constant(_data(10))
+    eager, graph = make(), make()
+    step = tf.function(lambda t, u: graph.reduce([t, u], ["g", "b"]))
     for _ in range(3):
-        np.testing.assert_array_equal(eager.reduce([x], ["g"])[0].numpy(), step(x).numpy())
-    np.testing.assert_array_equal(eager.get_state()["residual/g"],
-                                  graph.get_state()["residual/g"])
+        for want, got in zip(eager.reduce([x, b], ["g", "b"]), step(x, b)):
+            np.testing.assert_allclose(want.numpy(), got.numpy(), rtol=1e-6, atol=1e-6)
+    want, got = eager.get_state(), graph.get_state()
+    assert sorted(want) == sorted(got) and want
+    for key in want:
+        np.testing.assert_allclose(want[key], got[key], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.usefixtures("standalone_engine")
@@ -237,8 +245,9 @@ def job():
     return _job[0]
 
 
-needs_codec = pytest.mark.skipif("compressed" not in engine.DTYPES,
-                                 reason="the servers' codec (engine dtype 'compressed') is not built")
+needs_codec = pytest.mark.skipif(
+    "compressed" not in engine.DTYPES,
+    reason="the servers' codec (engine dtype 'compressed') is not built")
 
 
 @needs_codec

@@ -213,7 +213,10 @@ def check_ops_and_compression(r, n):
     with pytest.raises(ValueError, match="Average or Sum"):
         bps.push_pull(mine, op="Adasum")
     with pytest.raises(ValueError, match="compress"):
-        bps.push_pull(mine, compression="fp16")
+        bps.push_pull(mine, compression=3)
+    # A spec string names a compressor, as bpstrain.torch's optimizer takes it.
+    expect(bps.push_pull(mine, compression="fp16", name="comp.spec"), [(n + 1) / 2] * 2,
+           "compression='fp16'")
 
     fine = 1.0 + 2.0 ** -12  # exact in float32, 1.0 in float16
     x = tf.constant([fine, 3.0])

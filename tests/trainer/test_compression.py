@@ -1,6 +1,12 @@
 """comm.compression in the Trainer: a 2-worker local cluster trains with top-k 1 %, its
 checkpoints hold every rank's error-feedback state, and a resume gives it back."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -53,3 +59,25 @@ def test_a_bad_compression_key_fails_before_any_worker_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"comm.compression' must be a compression spec.*"
                                           r"Received: comm.compression='topk:2'"):
         Trainer(_config(tmp_path, **{"comm.compression": "topk:2"}))
+
+
+@pytest.mark.timeout(240)
+def test_keras_model_trains_with_compression_rules_in_a_launched_job(tmp_path):
+    pytest.importorskip("keras")
+    root = Path(__file__).resolve().parents[2]
+    script = root / "tests" / "trainer" / "scripts" / "keras_compression_in_job.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bpstrain.launch", "--workers", "2", "--servers", "1", "--",
+         sys.executable, str(script), str(tmp_path)],
+        capture_output=True, text=True, timeout=230, cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "2",
+             "KERAS_BACKEND": "tensorflow"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
+               if "RESULT " in line]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert results[0]["weights"] == results[1]["weights"]  # the servers answer all alike
+    assert results[0]["last"]["val_accuracy"] > 0.8, results[0]["last"]
+    for r in results:  # kernels by the rule, biases by the default
+        assert r["compressor"] == "PolicyCompressor"
+        assert [k.split("|")[0] for k in r["state"]] == ["onebit"] * 2 + ["topk:ratio=0.25"] * 2
