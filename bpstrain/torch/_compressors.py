@@ -30,7 +30,19 @@ from bpstrain._compression import (AutoPolicy, CompressionPolicy, CompressionSpe
                                    powersgd_initial_q)
 from bpstrain.engine import Op
 from bpstrain.torch import _codecs
-from bpstrain.torch import ops as _ops
+
+
+class _LazyOps:
+    """``bpstrain.torch.ops`` at call time: ops imports this module (through
+    compression.py), so importing it here at load time would be circular."""
+
+    def __getattr__(self, name):
+        from bpstrain.torch import ops
+
+        return getattr(ops, name)
+
+
+_ops = _LazyOps()
 
 
 class _Clock:

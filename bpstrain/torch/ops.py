@@ -271,6 +271,10 @@ def push_pull(tensor, average=True, name=None, version=0, priority=0,
     """
     if isinstance(compression, GradientCompressor):
         return engine.synchronize(compression.push_pull_async(tensor, name, average, priority))
+    if isinstance(compression, str):  # a new compressor per call would forget its state
+        raise ValueError("push_pull takes a compressor object; make it once with "
+                         "Compression.from_spec(spec) and pass the same object every call. "
+                         f"Received: compression={compression!r}")
     if compression is Compression.none and not (
             getattr(tensor, "requires_grad", False) and torch.is_grad_enabled()):
         # Nothing to differentiate or compress: the thin path, one engine operation.

@@ -22,7 +22,7 @@ from typing import Dict
 
 import torch
 
-from bpstrain.torch import _unused, ops
+from bpstrain.torch import _compressors, _unused, ops
 from bpstrain.torch.compression import Compression
 from bpstrain.torch.functions import broadcast_parameters
 
@@ -38,7 +38,11 @@ class DistributedDataParallel(torch.nn.Module):
         broadcast_buffers: copy rank 0's buffers (BatchNorm statistics) to every rank at
             the start of each forward pass in training mode. Evaluation-mode forwards
             never communicate, so rank-0-only validation is safe.
-        compression: ``Compression.none`` or ``Compression.fp16``.
+        compression: ``Compression.none`` / ``fp16`` / ``bf16``, or a lossy compressor,
+            policy or spec as for :func:`~bpstrain.torch.DistributedOptimizer` (applied
+            per parameter by name, with worker-side error feedback). Its state is not
+            part of the module's ``state_dict()``: checkpoint it with
+            :meth:`compression_state_dict`.
     """
 
     def __init__(self, module: torch.nn.Module, device_ids=None, broadcast_buffers: bool = True,
@@ -53,6 +57,17 @@ class DistributedDataParallel(torch.nn.Module):
         self._names = {id(p): f"{self._prefix}.{n}" for n, p in named}
         self._priority = {id(p): -i for i, (_, p) in enumerate(named)}
         self._params = [p for _, p in named]
+        self._keys = {id(p): n for n, p in named}
+        # Lossy compressors work per parameter with state (see DistributedOptimizer).
+        self._codec = _compressors.for_optimizer(compression)
+        self._stateful, self._classic = {}, {}
+        if self._codec is not None:
+            for n, p in named:
+                classic, stateful = self._codec.choose(n, p.numel())
+                if stateful is not None:
+                    self._stateful[id(p)] = stateful
+                else:
+                    self._classic[id(p)] = classic
         self._handles: Dict[int, tuple] = {}
         self._hooked = set()
         self._sync = True
@@ -91,8 +106,23 @@ class DistributedDataParallel(torch.nn.Module):
             self._callback_queued = True
         self._handles[id(p)] = (p,) + self._start(p) + (True,)
 
+    def compression_state_dict(self) -> dict:
+        """The lossy compressors' state (error-feedback residuals, PowerSGD's Q, step
+        counters), keyed by parameter name; empty for none/fp16/bf16."""
+        return self._codec.state_dict() if self._codec is not None else {}
+
+    def load_compression_state_dict(self, state: dict) -> None:
+        """Restores :meth:`compression_state_dict` (each rank its own)."""
+        if self._codec is not None and state:
+            self._codec.load_state_dict(state)
+
     def _start(self, p):
-        compressed, ctx = self._compression.compress(p.grad)
+        stateful = self._stateful.get(id(p))
+        if stateful is not None:  # its handle's result is the average itself
+            handle = stateful.push_pull_async(p.grad, self._names[id(p)], True,
+                                              self._priority[id(p)], key=self._keys[id(p)])
+            return handle, None, None
+        compressed, ctx = self._classic.get(id(p), self._compression).compress(p.grad)
         handle = ops.push_pull_async_inplace(compressed, average=True, name=self._names[id(p)],
                                              priority=self._priority[id(p)])
         return handle, compressed, ctx
@@ -106,9 +136,12 @@ class DistributedDataParallel(torch.nn.Module):
                 self._handles[id(p)] = (p,) + self._start(p) + (had_grad,)
         try:
             for p, handle, compressed, ctx, had_grad in self._handles.values():
-                ops.synchronize(handle)
-                if compressed is not p.grad:
-                    p.grad.copy_(self._compression.decompress(compressed, ctx))
+                result = ops.synchronize(handle)
+                if compressed is None:
+                    p.grad.copy_(result)
+                elif compressed is not p.grad:
+                    compression = self._classic.get(id(p), self._compression)
+                    p.grad.copy_(compression.decompress(compressed, ctx))
                 _unused.none_if_unused(p, had_grad)
         finally:
             self._handles.clear()

@@ -193,6 +193,8 @@ def test_classic_interface_is_unchanged(standalone):
     x = torch.ones(4, requires_grad=True)
     bps.push_pull(x, name="d", compression=bps.Compression.fp16).sum().backward()  # differentiable
     assert torch.equal(x.grad, torch.ones(4))
+    with pytest.raises(ValueError, match="from_spec"):
+        bps.push_pull(torch.ones(3), name="s", compression="topk:0.1")
     with pytest.raises(ValueError, match="call it"):
         _compressors.for_optimizer(bps.Compression.onebit)
     assert _compressors.for_optimizer(bps.Compression.fp16) is None
@@ -239,6 +241,8 @@ CHECKS = [name for name, _ in collect(GROUPS)]
 # Checks that push engine dtype "compressed" (onebit/top-k/dithering on the servers).
 CODEC_CHECKS = {"check_byte_codecs_match_numpy_reference", "check_optimizer_state_survives_checkpoint_resume",
                 "check_servers_residuals_survive_checkpoint_resume",
+                "check_cross_barrier_compresses_as_distributed_optimizer_does",
+                "check_optimizer_with_auto_switches_off_on_a_free_link",
                 "check_optimizer_compresses_large_parameters_only", "check_auto_decides_alike_on_every_rank"}
 
 

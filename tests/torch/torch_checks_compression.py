@@ -141,14 +141,18 @@ def check_cast_compressors_average():
     assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
-def _train(compression, steps, state=None, start=0):
+def _train(compression, steps, state=None, start=0, cross_barrier=False):
     """(model, optimizer) after ``steps`` SGD steps from ``start`` (loading ``state`` first)."""
     r = bps.rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 50), torch.nn.Tanh(), torch.nn.Linear(50, 30))
-    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=model.named_parameters(),
-                                   compression=compression)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if cross_barrier:
+        opt = bps.CrossBarrier(model, sgd, named_parameters=model.named_parameters(),
+                               compression=compression)
+    else:
+        opt = bps.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                       compression=compression)
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
@@ -157,6 +161,8 @@ def _train(compression, steps, state=None, start=0):
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
+    if cross_barrier:
+        opt.synchronize()  # apply what is pending
     return model, opt
 
 
@@ -224,3 +230,38 @@ def check_auto_decides_alike_on_every_rank():
     assert off.decision("cmp.auto.off") is False and on.decision("cmp.auto.on") is True
     got = bps.push_pull(torch.full((4096,), float(bps.rank())), name="cmp.auto.off", compression=off)
     assert torch.equal(got, torch.full((4096,), (bps.size() - 1) / 2))  # off: exact average
+
+
+def check_cross_barrier_compresses_as_distributed_optimizer_does():
+    for compression in ("topk:0.1", bps.Compression.powersgd(2)):  # PowerSGD: two rounds via poll()
+        plain, _ = _train(compression, 3)
+        crossed, _ = _train(compression, 3, cross_barrier=True)
+        for a, b in zip(plain.state_dict().values(), crossed.state_dict().values()):
+            assert torch.equal(a, b), compression
+
+
+def check_optimizer_with_auto_switches_off_on_a_free_link():
+    auto = bps.Compression.auto("onebit", steps=1, bandwidth=1e15)
+    model, opt = _train(auto, 3)
+    comp = opt._bps_stateful[id(model[0].weight)]
+    assert comp.decision("0.weight") is False and comp.decision("2.weight") is False
+    state = opt.state_dict()["bpstrain_compression"]["compressors"]
+    assert any("auto" in text for text in state), list(state)
+
+
+def check_ddp_compresses_as_distributed_optimizer_does():
+    from bpstrain.torch.parallel import DistributedDataParallel
+
+    r = bps.rank()
+    want, _ = _train("randomk:0.2", 2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 50), torch.nn.Tanh(), torch.nn.Linear(50, 30))
+    ddp = DistributedDataParallel(model, compression=bps.Compression.randomk(0.2))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for s in range(2):
+        sgd.zero_grad()
+        ddp(torch.from_numpy(_input(r, s, (8, 40), salt=30))).square().mean().backward()
+        sgd.step()
+    for a, b in zip(want.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert set(ddp.compression_state_dict()["compressors"]) == {"randomk:ratio=0.2"}
