@@ -73,16 +73,27 @@ class StatefulCompressor(tf.Module):
 
     decompress = compress
 
-    def get_state(self) -> Dict[str, np.ndarray]:
-        """This rank's state as ``{key: array}`` (keys ``residual/<name>`` etc.)."""
+    def get_state(self, server_state: bool = False) -> Dict[str, np.ndarray]:
+        """This rank's state as ``{key: array}`` (keys ``residual/<name>`` etc.).
+
+        Args:
+            server_state: Also fetch the servers' residuals of the onebit/top-k/dithering
+                tensors (keys ``server/<name>``), so that a restored job answers what
+                this one would have. **Collective**: every rank calls it at the same
+                point; costs about one dense fp32 copy of those tensors on the wire.
+        """
         state = {key: v.numpy() for key, v in self._state.items()}
-        return {**self._pending, **state}
+        return {**self._pending, **state, **(self._server_state() if server_state else {})}
 
     def set_state(self, state: Dict[str, np.ndarray]) -> None:
         """Restores :meth:`get_state`'s output; state of tensors not seen yet is kept
-        until their first step."""
-        for key, value in state.items():
-            if key in self._state:
+        until their first step. ``server/<name>`` entries go back to the servers at once
+        (then the call is collective, as ``get_state(server_state=True)``)."""
+        for key in sorted(state):  # the same order on every rank
+            value = state[key]
+            if key.startswith("server/"):
+                self._import_server_state(key[len("server/"):], np.asarray(value))
+            elif key in self._state:
                 self._state[key].assign(np.asarray(value))
             else:
                 self._pending[key] = np.asarray(value)
@@ -100,6 +111,13 @@ class StatefulCompressor(tf.Module):
 
     def _roundtrip(self, flat: tf.Tensor, shape) -> tf.Tensor:
         raise NotImplementedError
+
+    def _server_state(self) -> Dict[str, np.ndarray]:
+        return {}  # the servers sum plain values: they keep nothing
+
+    def _import_server_state(self, name: str, residual: np.ndarray) -> None:
+        raise ValueError(f"{type(self).__name__} keeps no server state. "
+                         f"Received: server/{name}")
 
     def _accepts(self, tensor: tf.Tensor) -> bool:
         return (tensor.dtype.is_floating and tensor.shape.is_fully_defined()
@@ -142,6 +160,27 @@ class _BlobCompressor(StatefulCompressor):
             raise ValueError(f"chunk must be an integer >= 1. Received: chunk={chunk!r}")
         self.server_error_feedback = bool(server_error_feedback)
         self.chunk = chunk
+        self._sizes: Dict[str, int] = {}  # name -> elements, for the servers' state
+
+    def _template(self, numel: int):
+        """A byte string of the tensor's layout (state rounds copy its headers) and its
+        partition bytes."""
+        layout = self.layout(numel)
+        return _wire.encode(layout, tf.zeros([numel])).numpy().tobytes(), layout.partition_bytes
+
+    def _server_state(self):
+        if not self.server_error_feedback:
+            return {}
+        from bpstrain import _server_state
+
+        return {f"server/{name}": _server_state.export_residual(name, *self._template(numel))
+                for name, numel in sorted(self._sizes.items())}
+
+    def _import_server_state(self, name, residual):
+        from bpstrain import _server_state
+
+        self._sizes[name] = int(residual.size)
+        _server_state.import_residual(name, *self._template(int(residual.size)), residual)
 
     def layout(self, numel: int) -> _wire.Layout:
         """The blobs of a flat tensor of ``numel`` elements."""
@@ -152,6 +191,7 @@ class _BlobCompressor(StatefulCompressor):
         for x, name, priority in zip(tensors, names, priorities):
             flat, residual = self._with_residual(name, tf.reshape(tf.cast(x, tf.float32), [-1]))
             layout = self.layout(int(flat.shape[0]))
+            self._sizes[name] = int(flat.shape[0])
             blob = _wire.encode(layout, flat, self._uniform if self.stochastic else None)
             if residual is not None:
                 residual.assign(flat - _wire.decode(layout, blob))

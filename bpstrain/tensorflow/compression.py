@@ -198,9 +198,10 @@ class AutoCompressor(tf.Module):
         self.policy.record_codec(name, time.perf_counter() - start, tensor.dtype.size * numel,
                                  wire_bytes(self.spec, numel, tensor.dtype.size))
 
-    def get_state(self) -> Dict[str, Any]:
-        """The decisions and measurements, and the inner codec's state."""
-        inner = self.inner.get_state() if is_stateful(self.inner) else {}
+    def get_state(self, server_state: bool = False) -> Dict[str, Any]:
+        """The decisions and measurements, and the inner codec's state (see
+        :meth:`StatefulCompressor.get_state`)."""
+        inner = self.inner.get_state(server_state) if is_stateful(self.inner) else {}
         return {"auto": self.policy.state_dict(), **{f"inner/{k}": v for k, v in inner.items()}}
 
     def set_state(self, state: Dict[str, Any]) -> None:
@@ -258,10 +259,11 @@ class PolicyCompressor(tf.Module):
                 out[i] = value
         return out
 
-    def get_state(self) -> Dict[str, Any]:
-        """Every spec's compressor state, keys ``<spec>|<key>``."""
-        return {f"{spec}|{k}": v for spec, c in self.compressors.items()
-                for k, v in c.get_state().items()}
+    def get_state(self, server_state: bool = False) -> Dict[str, Any]:
+        """Every spec's compressor state, keys ``<spec>|<key>`` (see
+        :meth:`StatefulCompressor.get_state`)."""
+        return {f"{spec}|{k}": v for spec, c in sorted(self.compressors.items())
+                for k, v in c.get_state(server_state).items()}
 
     def set_state(self, state: Dict[str, Any]) -> None:
         """Restores :meth:`get_state`'s output."""
@@ -269,7 +271,7 @@ class PolicyCompressor(tf.Module):
         for key, value in state.items():
             spec, inner = key.split("|", 1)
             by_spec.setdefault(spec, {})[inner] = value
-        for spec, inner in by_spec.items():
+        for spec, inner in sorted(by_spec.items()):  # the same order on every rank
             compressor = self._for(parse_compression(spec))
             if is_stateful(compressor):
                 compressor.set_state(inner)

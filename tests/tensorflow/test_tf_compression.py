@@ -233,7 +233,7 @@ def test_push_pull_and_the_optimizers_take_every_kind():
 # -- the 2-worker job ------------------------------------------------------------------------
 
 CHECKS = ["onebit", "onebit_unscaled", "topk", "dithering", "randomk", "powersgd",
-          "graph_mode", "keras_onebit_fit"]
+          "graph_mode", "server_state", "keras_onebit_fit"]
 WORKERS = 2
 _job = []
 

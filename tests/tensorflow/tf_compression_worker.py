@@ -106,6 +106,22 @@ def check_powersgd(r, n):
         np.testing.assert_array_equal(out[1].numpy(), np.ones(5))  # 1-D: plain average
 
 
+def check_server_state(r, n):
+    """get_state(server_state=True) then set_state into a fresh compressor: the next step
+    equals the uninterrupted one's, the servers' residuals included."""
+    first = Compression.topk(0.05, chunk=700)
+    for step in range(2):
+        first.reduce([tf.constant(data(r, step))], ["ss"])
+    state = first.get_state(server_state=True)  # collective
+    assert sorted(state) == ["residual/ss", "server/ss"], sorted(state)
+    assert np.abs(state["server/ss"]).sum() > 0  # the servers did keep something
+    want = first.reduce([tf.constant(data(r, 2))], ["ss"])[0].numpy()
+    second = Compression.topk(0.05, chunk=700)
+    second.set_state(state)  # collective: the servers' residual goes back
+    got = second.reduce([tf.constant(data(r, 2))], ["ss"])[0].numpy()
+    np.testing.assert_array_equal(got, want)
+
+
 def check_keras_onebit_fit(r, n):
     import keras
 
@@ -143,6 +159,7 @@ if __name__ == "__main__":
         ("randomk", check_randomk),
         ("powersgd", check_powersgd),
         ("graph_mode", blob_check(lambda: Compression.topk(0.05, chunk=700), "graph", True)),
+        ("server_state", check_server_state),
         ("keras_onebit_fit", check_keras_onebit_fit),
     ]
     report_checks(checks, bps.rank(), bps.size())
