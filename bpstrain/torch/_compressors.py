@@ -416,6 +416,9 @@ class AutoCompressor(GradientCompressor):
         self.inner = inner or from_spec(spec.inner or parse_compression("fp16"))
         self.policy = AutoPolicy(spec.steps, spec.bandwidth)
 
+    def fork(self) -> "AutoCompressor":
+        return AutoCompressor(self.spec, self.inner.fork())
+
     def start(self, tensor, name, average, priority, key, timed=False):
         phase = self.policy.phase(key, name)
         if phase in ("on", "measure"):

@@ -267,14 +267,19 @@ def push_pull(tensor, average=True, name=None, version=0, priority=0,
             floats (differentiable, as before). A stateful compressor
             (``Compression.topk(0.01)``, ``onebit()``, ``powersgd(2)``, ...; see
             :mod:`bpstrain.torch.compression`) needs ``name``, keeps its state for that
-            name across calls (reuse the same object) and is not differentiable.
+            name across calls (reuse the same object) and is not differentiable. Spec
+            strings are taken for ``"none"``, ``"fp16"`` and ``"bf16"``.
     """
     if isinstance(compression, GradientCompressor):
         return engine.synchronize(compression.push_pull_async(tensor, name, average, priority))
-    if isinstance(compression, str):  # a new compressor per call would forget its state
-        raise ValueError("push_pull takes a compressor object; make it once with "
-                         "Compression.from_spec(spec) and pass the same object every call. "
-                         f"Received: compression={compression!r}")
+    if isinstance(compression, (str, dict)):
+        made = Compression.from_spec(compression)
+        if not hasattr(made, "compressor"):  # only none/fp16/bf16 are stateless
+            # A compressor made per call would forget its residuals and step counter.
+            raise ValueError("push_pull takes a stateful compressor as an object; make it once "
+                             "with Compression.from_spec(spec) and pass the same object every "
+                             f"call. Received: compression={compression!r}")
+        return push_pull(tensor, average, name, version, priority, made.compressor)
     if compression is Compression.none and not (
             getattr(tensor, "requires_grad", False) and torch.is_grad_enabled()):
         # Nothing to differentiate or compress: the thin path, one engine operation.

@@ -195,6 +195,9 @@ def test_classic_interface_is_unchanged(standalone):
     assert torch.equal(x.grad, torch.ones(4))
     with pytest.raises(ValueError, match="from_spec"):
         bps.push_pull(torch.ones(3), name="s", compression="topk:0.1")
+    assert bps.push_pull(torch.ones(3), name="s", compression="bf16").dtype == torch.float32
+    with pytest.raises(ValueError, match="from_spec"):
+        bps.push_pull(torch.ones(3), name="s", compression="auto")
     with pytest.raises(ValueError, match="call it"):
         _compressors.for_optimizer(bps.Compression.onebit)
     assert _compressors.for_optimizer(bps.Compression.fp16) is None
