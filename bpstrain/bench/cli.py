@@ -14,6 +14,10 @@ Examples::
     python -m bpstrain.bench overhead              # per-op cost: raw binding, engine, torch
     python -m bpstrain.bench fuzz                  # attacks a live job; checks it held
     python -m bpstrain.bench control-plane         # 16-1024 simulated workers: form, barrier
+    python -m bpstrain.bench compression --rate-mbit 100 800   # compressors vs DDP hooks (root)
+    python -m bpstrain.bench compression --loopback --hosts 2 --servers 1 --iters 1 \
+        --model digits_mlp --systems none onebit ddp-fp16 --acc-systems none topk \
+        --tta-systems onebit --acc-steps 4 --tta-steps 4 --kernel-mbytes 1   # smoke, no root
 
 Progress goes to stderr; the table is printed last on stdout.
 """
@@ -24,18 +28,21 @@ import argparse
 import json
 import sys
 
-from bpstrain.bench import _jobs, cluster, control_plane, emulated, fuzz, hierarchical, loopback, overhead, scaling
+from bpstrain.bench import (_jobs, cluster, compression, control_plane, emulated, fuzz, hierarchical,
+                            loopback, overhead, scaling)
 from bpstrain.bench.bounds import parse_size
 from bpstrain.bench.table import format_table
 
 # Benchmarks with their own module: add_arguments() and run_args().
 _MODULES = {"hierarchical": hierarchical, "scaling": scaling, "overhead": overhead, "fuzz": fuzz,
-            "control-plane": control_plane}
+            "control-plane": control_plane, "compression": compression}
 _HELP = {"hierarchical": "flat vs hierarchical push_pull, hosts x local ranks (root)",
          "scaling": "bpstrain time vs workers and size on emulated hosts (root)",
          "overhead": "per-op cost of bpstrain.engine and bpstrain.torch over the raw binding",
          "fuzz": "attacks a live job on loopback; checks sums, crashes, fds, threads and RSS",
-         "control-plane": "form, barrier, shutdown and scheduler memory of 16-1024 simulated workers"}
+         "control-plane": "form, barrier, shutdown and scheduler memory of 16-1024 simulated workers",
+         "compression": "gradient compressors vs DDP's hooks: step time, wire bytes, accuracy, "
+                        "GB/s (root; --loopback none)"}
 _ON_LOOPBACK = ("loopback", "overhead", "fuzz", "control-plane")  # need no emulated hosts (no root)
 
 
@@ -102,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         argv.insert(0, "loopback")
     args = build_parser().parse_args(argv)
     try:
-        if args.command not in _ON_LOOPBACK:
+        needs_root = getattr(_MODULES.get(args.command), "needs_root", lambda _: True)
+        if args.command not in _ON_LOOPBACK and needs_root(args):
             ok, reason = emulated.available()
             if not ok:
                 print(f"bpstrain.bench {args.command}: {reason}.", file=sys.stderr)

@@ -80,10 +80,7 @@ def _worker_args(plan: TrainPlan, model: str) -> list[str]:
 
 def _run_bpstrain(hosts, plan: TrainPlan, model: str, system: str = "bpstrain") -> list[dict]:
     """A bpstrain job (``system``: bpstrain, bpstrain-cb or ddp-bpstrain)."""
-    n, k = plan.hosts, plan.servers
-    layout = _jobs.Layout(worker_hosts=list(range(n)),
-                          server_hosts=[j if plan.loopback else n + j for j in range(k)],
-                          scheduler_host=0 if plan.loopback else n + k)
+    layout = ps_layout(plan.hosts, plan.servers, plan.loopback)
     worker_system = "bpstrain" if system == "bpstrain-cb" else system
     argv = [sys.executable, "-m", _WORKER, "--system", worker_system, *_worker_args(plan, model)]
     argv += ["--cross-barrier"] if system == "bpstrain-cb" else []
@@ -92,14 +89,29 @@ def _run_bpstrain(hosts, plan: TrainPlan, model: str, system: str = "bpstrain") 
 
 
 def _run_ddp(hosts, plan: TrainPlan, model: str) -> list[dict]:
-    argv = [sys.executable, "-m", _WORKER, "--system", "ddp", "--addr", hosts.addr(0),
-            "--port", str(hosts.next_port()), "--world-size", str(plan.hosts), "--ifname",
-            hosts.ifname, "--timeout", str(plan.timeout_s), *_worker_args(plan, model)]
+    argv = [sys.executable, "-m", _WORKER, "--system", "ddp", *_worker_args(plan, model)]
+    return run_ddp_job(hosts, plan.hosts, argv, plan.timeout_s)
+
+
+def run_ddp_job(hosts, world_size: int, argv: Sequence[str], timeout_s: float) -> list[dict]:
+    """Rank r of a gloo job on worker host r: ``argv`` plus the rendezvous flags ``--addr``
+    (host 0), ``--port``, ``--world-size``, ``--ifname``, ``--timeout`` and ``--rank``;
+    returns the ranks' ``BENCH_RESULT`` payloads (see :class:`bpstrain.bench._jobs.Job`)."""
+    argv = [*argv, "--addr", hosts.addr(0), "--port", str(hosts.next_port()), "--world-size",
+            str(world_size), "--ifname", hosts.ifname, "--timeout", str(timeout_s)]
     job = _jobs.Job(hosts)
-    for rank in range(plan.hosts):
+    for rank in range(world_size):
         job.start(f"ddp{rank}", rank, [*argv, "--rank", str(rank)], _jobs.child_env({}),
                   worker=True)
-    return job.collect(plan.timeout_s)
+    return job.collect(timeout_s)
+
+
+def ps_layout(hosts: int, servers: int, loopback: bool) -> _jobs.Layout:
+    """This benchmark's bpstrain layout: workers on hosts 0..H-1, servers on H..H+K-1 and
+    the scheduler on H+K (on loopback every number is this machine)."""
+    return _jobs.Layout(worker_hosts=list(range(hosts)),
+                        server_hosts=[j if loopback else hosts + j for j in range(servers)],
+                        scheduler_host=0 if loopback else hosts + servers)
 
 
 def _run_alone(hosts, plan: TrainPlan, model: str) -> list[dict]:
