@@ -173,15 +173,16 @@ def test_state_saves_and_restores_with_get_state_and_tf_checkpoints(tmp_path):
     for make in (lambda: Compression.onebit(), lambda: Compression.randomk(0.1),
                  lambda: Compression.powersgd(2),
                  lambda: Compression.policy("topk:0.1", [("w*", "onebit")], min_size=0)):
-        original, copy, restored = make(), make(), make()
+        original, copy, restored, deferred = make(), make(), make(), make()
         for _ in range(2):
             original.reduce([x, x], ["w", "v"])
         copy.set_state(original.get_state())  # before its first step: kept until then
         path = tf.train.Checkpoint(c=original).save(str(tmp_path / "ckpt"))
         restored.reduce([x, x], ["w", "v"])  # create the variables, then overwrite them
         tf.train.Checkpoint(c=restored).restore(path)
+        tf.train.Checkpoint(c=deferred).restore(path)  # applied as its variables appear
         want = original.reduce([x, x], ["w", "v"])
-        for other in (copy, restored):
+        for other in (copy, restored, deferred):
             got = other.reduce([x, x], ["w", "v"])
             for a, b in zip(want, got):
                 np.testing.assert_array_equal(a.numpy(), b.numpy())
@@ -263,3 +264,37 @@ def test_job_exits_cleanly_and_runs_every_check():
     code, out, results = job()
     assert code == 0, out[-4000:]
     assert sorted(results) == sorted(CHECKS), out[-4000:]
+
+
+@pytest.mark.usefixtures("standalone_engine")
+def test_a_keras_checkpoint_carries_the_residuals_and_resumes_exactly(tmp_path):
+    import keras
+
+    import bpstrain.tensorflow.keras as bps_keras
+
+    x = np.random.default_rng(1).standard_normal((64, 8)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
+        # Named: the state is keyed by engine names (a new process numbers alike).
+        optimizer = bps_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                                   name="opt", compression=Compression.onebit())
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model, optimizer
+
+    model, optimizer = build()
+    model.fit(x, y, epochs=2, batch_size=16, verbose=0)
+    # The residuals are tracked by the optimizer: a plain tf.train.Checkpoint saves them.
+    path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "c"))
+    saved = [name for name, _ in tf.train.list_variables(path) if "residual" in name]
+    assert len(saved) == 4, saved
+    model.train_on_batch(x[:16], y[:16])
+
+    resumed, resumed_optimizer = build()
+    tf.train.Checkpoint(model=resumed, optimizer=resumed_optimizer).restore(path)
+    resumed.train_on_batch(x[:16], y[:16])  # residuals restored as they are created
+    for a, b in zip(model.get_weights(), resumed.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
