@@ -460,12 +460,6 @@ def engine_bandwidth() -> Optional[float]:
     return float(value) if value and value > 0 else None
 
 
-def _engine_mean(values: np.ndarray, name: str) -> np.ndarray:
-    from bpstrain import engine
-
-    return engine.push_pull(values, name=name, average=True)
-
-
 @dataclasses.dataclass
 class _Track:
     seen: int = 0
@@ -475,6 +469,7 @@ class _Track:
     raw_bytes: int = 0
     sent_bytes: int = 0
     on: Optional[bool] = None
+    pending: Optional[int] = None  # the engine handle of the ranks' mean, while in flight
 
 
 class AutoPolicy:
@@ -491,7 +486,10 @@ class AutoPolicy:
       from enqueue to the result, so where the adapter overlaps it with other work it
       overestimates the wire time: such a guess errs towards compressing.
     * on = saved > cost, with both averaged over the ranks (one tiny push_pull per
-      tensor, ``<name>.auto``), so every rank sends the same way.
+      tensor, ``<name>.auto``), so every rank sends the same way. That push_pull starts
+      after the last measured step and is waited for one step later (that tensor is
+      measured once more meanwhile): a rank never blocks inside a gradient hook on a
+      collective another rank has not started, whatever order hooks fire in.
 
     Adapters call :meth:`phase` before each push_pull of a tensor and report what they
     measured with :meth:`record_raw` / :meth:`record_codec`.
@@ -499,14 +497,15 @@ class AutoPolicy:
     Args:
         steps: compressed steps measured before deciding.
         bandwidth: link bytes per second (None: the engine's, else measured).
-        reduce: ``(values, name) -> mean over ranks`` (default: the engine's push_pull).
+        reduce: ``(values, name) -> mean over ranks``, blocking (default: the engine's
+            push_pull, started one step ahead as said above).
     """
 
     def __init__(self, steps: int = 5, bandwidth: Optional[float] = None,
                  reduce: Optional[Callable[[np.ndarray, str], np.ndarray]] = None):
         self.steps = int(steps)
         self.bandwidth = bandwidth
-        self.reduce = reduce or _engine_mean
+        self.reduce = reduce
         self._tracks: Dict[str, _Track] = {}
 
     def _link(self) -> Optional[float]:
@@ -523,7 +522,7 @@ class AutoPolicy:
         # Counted in calls, not in measurements received, so every rank decides at the
         # same step whatever its timing.
         if t.on is None and t.measured >= self.steps:
-            self._decide(key, name, t)
+            self._decide(key, name, t)  # starts the ranks' mean, or takes it
         if t.on is not None:
             return "on" if t.on else "off"
         t.seen += 1
@@ -550,6 +549,23 @@ class AutoPolicy:
         return None if t is None else t.on
 
     def _decide(self, key: str, name: str, t: _Track) -> None:
+        if self.reduce is None:
+            from bpstrain import engine
+
+            if t.pending is None:
+                t.pending = engine.push_pull_async(self._local_figures(t), name=f"{name}.auto")
+                return
+            handle, t.pending = t.pending, None
+            mean = np.asarray(engine.synchronize(handle))
+        else:
+            mean = np.asarray(self.reduce(self._local_figures(t), f"{name}.auto"))
+        t.on = bool(mean[1] > mean[0])
+        log.info("auto compression %s for %s: codec %.3f ms against %.3f ms of wire time saved "
+                 "per step (mean over ranks)", "on" if t.on else "off", key, 1e3 * mean[0],
+                 1e3 * mean[1])
+
+    def _local_figures(self, t: _Track) -> np.ndarray:
+        """[cost, saved] in seconds per step, as this rank measured them."""
         # The first call often pays allocations and kernel loading: the median ignores it.
         cost = statistics.median(t.codec_seconds) if t.codec_seconds else 0.0
         saved_share = max(0, t.raw_bytes - t.sent_bytes)
@@ -560,15 +576,12 @@ class AutoPolicy:
             saved = min(t.raw_seconds) * saved_share / t.raw_bytes
         else:
             saved = 0.0
-        mean = np.asarray(self.reduce(np.array([cost, saved], np.float64), f"{name}.auto"))
-        t.on = bool(mean[1] > mean[0])
-        log.info("auto compression %s for %s: codec %.3f ms against %.3f ms of wire time saved "
-                 "per step (mean over ranks)", "on" if t.on else "off", key, 1e3 * mean[0],
-                 1e3 * mean[1])
+        return np.array([cost, saved], np.float64)
 
     def state_dict(self) -> Dict[str, Any]:
         """Decisions and measurements, for a checkpoint (decisions stay sticky on resume)."""
-        return {k: dataclasses.asdict(t) for k, t in self._tracks.items()}
+        # An in-flight mean is not saved: a resumed job starts it again, on every rank alike.
+        return {k: {**dataclasses.asdict(t), "pending": None} for k, t in self._tracks.items()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores :meth:`state_dict`."""
