@@ -159,15 +159,33 @@ def _is_stateful(compression) -> bool:
 
 
 def _resolve(compression):
-    """A spec string or policy as the TensorFlow backend's compressor (torch has its own
-    Keras-independent path: pass bpstrain.torch's compressors there)."""
+    """A spec string or policy as the backend's compressor: any of bpstrain.tensorflow's
+    with the TensorFlow backend; with torch only a cast (none, fp16, bf16), as the torch
+    backend's gradients go through the reducer's compress/decompress."""
     import keras
 
-    if compression is None or keras.backend.backend() != "tensorflow":
-        return compression
-    from bpstrain.tensorflow.compression import resolve
+    if compression is None:
+        return None
+    if keras.backend.backend() == "tensorflow":
+        from bpstrain.tensorflow.compression import resolve
 
-    return resolve(compression)
+        return resolve(compression)
+    if isinstance(compression, str):
+        from bpstrain.torch.compression import Compression
+
+        casts = {"none": Compression.none, "fp16": Compression.fp16, "bf16": Compression.bf16}
+        if compression.strip().lower() not in casts:
+            raise ValueError("with the torch Keras backend compression is none, fp16 or bf16 "
+                             "(the lossy codecs need per-tensor state this path does not keep: "
+                             "use the TensorFlow backend or bpstrain.torch.DistributedOptimizer). "
+                             f"Received: compression={compression!r}")
+        return casts[compression.strip().lower()]
+    if not (callable(getattr(compression, "compress", None))
+            and callable(getattr(compression, "decompress", None))):
+        raise ValueError("with the torch Keras backend compression is a cast with compress() "
+                         "and decompress() (bpstrain.torch.Compression.fp16 or bf16). "
+                         f"Received: compression={compression!r}")
+    return compression
 
 
 def _check_stateful_backend(compression) -> None:

@@ -24,7 +24,10 @@ Example, a custom training loop run with
         return loss
 
 ``Compression.none``/``Compression.fp16`` and ``op=Average``/``op=Sum`` are taken by
-``push_pull``, ``DistributedGradientTape`` and ``DistributedOptimizer`` as in Horovod;
+``push_pull``, ``DistributedGradientTape`` and ``DistributedOptimizer`` as in Horovod, and
+so are ``Compression.bf16``, the stateful codecs ``onebit()``, ``topk(r)``, ``randomk(r)``,
+``dithering(s)``, ``powersgd(r)``, ``auto()`` and ``policy(...)`` (error feedback per
+tensor name; see :mod:`bpstrain.tensorflow.compression`);
 ``allgather`` concatenates every rank's rows (first dimensions may differ), as Horovod's;
 Keras scripts written for ``horovod.tensorflow.keras`` / ``byteps.tensorflow.keras``
 import :mod:`bpstrain.tensorflow.keras`.
