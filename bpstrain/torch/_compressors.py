@@ -99,6 +99,9 @@ def _flat32(tensor: torch.Tensor, spec: CompressionSpec) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
         got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise ValueError(f"compression '{spec}' works on floating-point tensors. Received: {got}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"compression '{spec}' works on dense tensors; densify the gradient or "
+                         f"send it uncompressed. Received: layout={tensor.layout}")
     return tensor.detach().reshape(-1).to(torch.float32)
 
 

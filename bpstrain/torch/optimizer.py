@@ -253,6 +253,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         out = []
         for p in self._bps_params():
             comp = self._bps_stateful.get(id(p))
+            if (isinstance(comp, _compressors.AutoCompressor)
+                    and comp.decision(self._bps_keys[id(p)]) is not False):
+                comp = comp.inner  # auto still compressing this one: its codec's residual
             if isinstance(comp, _compressors.ByteCodecCompressor) and comp.spec.server_error_feedback:
                 out.append((p, comp))
         return out
