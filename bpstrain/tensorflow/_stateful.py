@@ -25,8 +25,6 @@ class StatefulCompressor(tf.Module):
             gradient of the same name (on by default, as every lossy codec needs).
     """
 
-    lossy = True
-
     def __init__(self, error_feedback: bool = True, name: Optional[str] = None):
         super().__init__(name=name)
         self.error_feedback = bool(error_feedback)
@@ -53,14 +51,16 @@ class StatefulCompressor(tf.Module):
         """
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         priorities = _group._priorities(priorities, len(tensors))  # default -index
-        mine = [i for i, t in enumerate(tensors) if self._accepts(t)]
-        out: List[Optional[tf.Tensor]] = [None] * len(tensors)
-        plain = [i for i in range(len(tensors)) if i not in set(mine)]
+        accepted = [self._accepts(t) for t in tensors]
+        mine = [i for i, ok in enumerate(accepted) if ok]
+        plain = [i for i, ok in enumerate(accepted) if not ok]
+        # The plain ones ride in the same engine group as the compressed ones.
         extra = [_wire.Item(tensors[i], names[i], average, 0, priorities[i]) for i in plain]
         results, plain_out = self._reduce([tensors[i] for i in mine], [names[i] for i in mine],
                                           average, [priorities[i] for i in mine], extra)
+        out: List[Optional[tf.Tensor]] = [None] * len(tensors)
         for i, value in zip(mine, results):
-            out[i] = tf.cast(tf.reshape(value, tf.shape(tensors[i])), tensors[i].dtype)
+            out[i] = tf.cast(tf.reshape(value, tensors[i].shape), tensors[i].dtype)
         for i, value in zip(plain, plain_out):
             out[i] = value
         return out
@@ -145,13 +145,16 @@ class StatefulCompressor(tf.Module):
 
 
 class _BlobCompressor(StatefulCompressor):
-    """onebit, top-k and dithering: blobs of :mod:`bpstrain._codec`, decoded after the pull."""
+    """onebit, top-k and dithering: blobs of :mod:`bpstrain._codec`, decoded after the pull.
+
+    Args:
+        error_feedback: The workers' residual.
+        server_error_feedback: Ask the servers to keep a residual of their re-encoded sum.
+        chunk: Elements per blob (``bpstrain._codec.DEFAULT_CHUNK``, 4 MB of float32).
+    """
 
     codec = 0
     stochastic = False
-
-    def _uniform(self, n: int) -> tf.Tensor:
-        raise NotImplementedError
 
     def __init__(self, error_feedback: bool = True, server_error_feedback: bool = True,
                  chunk: int = _codec.DEFAULT_CHUNK, name: Optional[str] = None):
@@ -186,6 +189,9 @@ class _BlobCompressor(StatefulCompressor):
         """The blobs of a flat tensor of ``numel`` elements."""
         raise NotImplementedError
 
+    def _uniform(self, n: int) -> tf.Tensor:
+        raise NotImplementedError  # stochastic codecs only
+
     def _reduce(self, tensors, names, average, priorities, extra):
         items, layouts = [], []
         for x, name, priority in zip(tensors, names, priorities):
@@ -202,7 +208,6 @@ class _BlobCompressor(StatefulCompressor):
         results = [_wire.decode(layout, out) / (size if average else 1.0)
                    for layout, out in zip(layouts, outs)]
         return results, outs[len(items):]
-
 
     def _roundtrip(self, flat, shape):
         layout = self.layout(int(flat.shape[0]))
