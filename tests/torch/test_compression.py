@@ -246,6 +246,7 @@ CODEC_CHECKS = {"check_byte_codecs_match_numpy_reference", "check_optimizer_stat
                 "check_servers_residuals_survive_checkpoint_resume",
                 "check_cross_barrier_compresses_as_distributed_optimizer_does",
                 "check_optimizer_with_auto_switches_off_on_a_free_link",
+                "check_every_compressor_trains_a_least_squares_model",
                 "check_optimizer_compresses_large_parameters_only", "check_auto_decides_alike_on_every_rank"}
 
 

@@ -265,3 +265,26 @@ def check_ddp_compresses_as_distributed_optimizer_does():
     for a, b in zip(want.state_dict().values(), model.state_dict().values()):
         assert torch.equal(a, b)
     assert set(ddp.compression_state_dict()["compressors"]) == {"randomk:ratio=0.2"}
+
+
+def check_every_compressor_trains_a_least_squares_model():
+    r = bps.rank()
+    target = torch.from_numpy(_input(0, 0, (40, 30), salt=40))
+    losses = {}
+    for text in ("none", "fp16", "onebit", "topk:0.05", "randomk:0.1", "dithering:8", "powersgd:2",
+                 "auto:onebit"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(40, 30, bias=False)
+        opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=model.named_parameters(), compression=text)
+        first = None
+        for s in range(100):
+            x = torch.from_numpy(_input(r, s, (16, 40), salt=41))
+            opt.zero_grad()
+            loss = (model(x) - x @ target).square().mean()
+            loss.backward()
+            opt.step()
+            first = first if first is not None else loss.item()
+        losses[text] = (first, loss.item())
+    for text, (first, last) in losses.items():
+        assert last < first / 50, losses  # error feedback keeps every codec converging
