@@ -398,6 +398,8 @@ class PowerSGDCompressor(GradientCompressor):
         clock = _Clock(x.device, timed)
         with clock:
             m = self._add_residual(key, x).reshape(rows, cols)
+            if m.data_ptr() == tensor.data_ptr():  # Q's round reads M later: own a copy
+                m = m.clone()
             q = st.get("q")
             if q is None or tuple(q.shape) != (cols, rank):
                 q = torch.from_numpy(powersgd_initial_q(cols, rank, spec.seed, key))
