@@ -1,6 +1,6 @@
 """bpstrain.tensorflow's compressors: byte-identical to the numpy reference
-(bpstrain._codec), state that saves and restores, and a real 2-worker job whose results
-equal the servers' rule applied to the blobs the workers actually sent.
+(bpstrain._codec), state that saves and restores, and real 2- and 3-worker jobs whose
+results equal the servers' rule applied to the blobs the workers actually sent.
 
 The in-process tests run on a standalone engine (rank 0 of 1); the job runs every
 multi-worker check in one launch (tf_compression_worker.py), as test_tensorflow.py does.
@@ -231,19 +231,18 @@ def test_push_pull_and_the_optimizers_take_every_kind():
     assert list(topk.get_state()) == ["residual/DistributedGradientTape.Variable"]
 
 
-# -- the 2-worker job ------------------------------------------------------------------------
+# -- the 2- and 3-worker jobs -------------------------------------------------------------
 
 CHECKS = ["onebit", "onebit_unscaled", "topk", "dithering", "randomk", "powersgd",
           "graph_mode", "server_state", "keras_onebit_fit"]
-WORKERS = 2
-_job = []
+_jobs = {}
 
 
-def job():
-    if not _job:
-        _job.append(launch([sys.executable, HERE / "tf_compression_worker.py"], WORKERS,
-                           {"KERAS_BACKEND": "tensorflow"}, timeout=240))
-    return _job[0]
+def job(workers):
+    if workers not in _jobs:
+        _jobs[workers] = launch([sys.executable, HERE / "tf_compression_worker.py"], workers,
+                                {"KERAS_BACKEND": "tensorflow"}, timeout=240)
+    return _jobs[workers]
 
 
 needs_codec = pytest.mark.skipif(
@@ -253,15 +252,17 @@ needs_codec = pytest.mark.skipif(
 
 @needs_codec
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers", [2, 3])
 @pytest.mark.parametrize("name", CHECKS)
-def test_check_on_two_workers(name):
-    assert_check(job(), name, WORKERS)
+def test_check_on_several_workers(name, workers):
+    assert_check(job(workers), name, workers)
 
 
 @needs_codec
 @pytest.mark.timeout(300)
-def test_job_exits_cleanly_and_runs_every_check():
-    code, out, results = job()
+@pytest.mark.parametrize("workers", [2, 3])
+def test_job_exits_cleanly_and_runs_every_check(workers):
+    code, out, results = job(workers)
     assert code == 0, out[-4000:]
     assert sorted(results) == sorted(CHECKS), out[-4000:]
 

@@ -1,4 +1,4 @@
-"""One worker of the 2-worker compression job (run by test_tf_compression.py).
+"""One worker of the 2- and 3-worker compression jobs (run by test_tf_compression.py).
 
 Each check compresses this rank's tensor for a few steps and compares the result with
 the reference: the blobs every rank actually sent (recorded, then gathered) put through
@@ -69,7 +69,11 @@ def blob_check(make, label, graph=False):
             pushes = every_ranks(rec.sent[0], f"{label}.sent.{step}")
             answer = _codec.server_round(pushes, residuals)
             expect = _codec.decode_all(answer).reshape(SHAPE) / np.float32(n)
-            np.testing.assert_array_equal(out.numpy(), expect, err_msg=f"step {step}")
+            if graph:  # Grappler may divide by 3 as a multiplication by 1/3 (one ulp)
+                np.testing.assert_allclose(out.numpy(), expect, rtol=2e-7, atol=0,
+                                           err_msg=f"step {step}")
+            else:
+                np.testing.assert_array_equal(out.numpy(), expect, err_msg=f"step {step}")
     return check
 
 
@@ -88,7 +92,9 @@ def check_randomk(r, n):
             residuals[rank] = flat
         expect = np.zeros(size, np.float32)
         expect[idx] = np.sum(values, axis=0, dtype=np.float32) / np.float32(n)
-        np.testing.assert_array_equal(out, expect, err_msg=f"step {step}")
+        # Plain float32 sums: the servers add in arrival order (last-bit differences).
+        np.testing.assert_allclose(out, expect, rtol=1e-6, atol=1e-7, err_msg=f"step {step}")
+        assert np.count_nonzero(out) <= k
 
 
 def check_powersgd(r, n):
