@@ -81,3 +81,21 @@ def test_keras_model_trains_with_compression_rules_in_a_launched_job(tmp_path):
     for r in results:  # kernels by the rule, biases by the default
         assert r["compressor"] == "PolicyCompressor"
         assert [k.split("|")[0] for k in r["state"]] == ["onebit"] * 2 + ["topk:ratio=0.25"] * 2
+
+
+@pytest.mark.timeout(60)
+def test_keras_compile_wraps_with_the_policy_and_runs_auto_eagerly(standalone_engine, tmp_path):
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("the Keras codecs are TensorFlow ops")
+    from bpstrain._compression import parse_policy
+    from bpstrain.config import load_config
+    from bpstrain.tensorflow.compression import PolicyCompressor
+    from bpstrain.trainer._keras import _compile
+
+    cfg = load_config(base_config(tmp_path))
+    for spec, eager in (("topk:0.01", False), ("auto:onebit", True)):
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        _compile(model, cfg, 2, compression=parse_policy(spec, min_size=0))
+        assert isinstance(model.optimizer._bps_compression, PolicyCompressor)
+        assert bool(model.run_eagerly) is eager, spec
