@@ -154,3 +154,14 @@ def test_the_config_layer_imports_no_models():
              "print('bpstrain.models' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_compression_keys_travel_as_environment_variables_and_back():
+    # How the Ray launcher hands the comm section to every role.
+    from bpstrain.ray._fit import comm_env
+
+    given = {"compression": "topk:0.01", "compression_rules": RULES, "compression_min_size": 0}
+    env = comm_env(given)
+    assert set(env) == {"BPSTRAIN_COMPRESSION", "BPSTRAIN_COMPRESSION_RULES",
+                        "BPSTRAIN_COMPRESSION_MIN_SIZE"}
+    assert read_env(env).comm == given
