@@ -112,6 +112,7 @@ class CompressionPlan:
     loopback: bool = False
     latency_ms: float = 20.0
     timeout_s: float = 1800.0
+    hook_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.parts if p not in PARTS]
@@ -194,14 +195,27 @@ def _log(msg: str) -> None:
 
 def first_error_line(text: str) -> str:
     """The line of a failed job's message that names the error (an exception, a C++
-    abort, an assertion), else its first line; at most 160 characters."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    patterns = (r"^[\w.]*(Error|Exception|Interrupt)\b.*", r"terminate called|what\(\)|"
-                r"enforce fail|Assertion|assert|Abort|Segmentation|Fatal")
-    for pattern in patterns:
-        for line in lines:
-            if re.search(pattern, line) and not line.startswith("---"):
-                return line[:160]
+    abort, an assertion), else its first line; at most 160 characters. torch's
+    ``[rankN]:`` prefixes are dropped, and a bare exception name (``AssertionError``)
+    gets the function it was raised in."""
+    lines = [re.sub(r"^\[rank\d+\]:\s?", "", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line and not line.startswith("---")]
+    for i, line in enumerate(lines):
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", line):
+            # torch chains future callbacks' errors into one line; C++ paths to file names
+            line = re.sub(r"(Got the following error when running the callback: "
+                          r"(\w+Error: )?)+", "", line)
+            line = re.sub(r"\[/[^\]]*/([^/\]]+)\]", r"[\1]", line)
+            if ":" not in line:
+                where = next((m for m in (re.match(r'File "([^"]+)", line (\d+), in (\S+)', prev)
+                                          for prev in reversed(lines[:i])) if m), None)
+                if where:
+                    line += f" in {where[3]} ({where[1].rsplit('/', 1)[-1]}:{where[2]})"
+            return line[:160]
+    for line in lines:
+        if re.search(r"terminate called|what\(\)|enforce fail|Assertion|Abort|Segmentation|"
+                     r"Fatal", line):
+            return line[:160]
     return (lines[0] if lines else "no output")[:160]
 
 
@@ -219,7 +233,12 @@ def _run_job(hosts, plan: CompressionPlan, system: str, args: list[str], timeout
     argv = [sys.executable, "-m", _WORKER, "--system", "ddp" if system in DDP_SYSTEMS else "bpstrain",
             "--compression", plan.spec(system), "--powersgd-rank", str(plan.powersgd_rank), *args]
     if system in DDP_SYSTEMS:  # adds --ifname and --timeout
-        return run_ddp_job(hosts, plan.hosts, argv, timeout_s)
+        share = 2
+        if "powersgd" in system:  # known to crash or hang on gloo: a shorter deadline
+            timeout_s, share = min(timeout_s, plan.hook_timeout_s), 4
+        # gloo's own timeout first (a hook may wait on several chained collectives), so a
+        # hung collective ends with gloo's error message, not with the job's deadline
+        return run_ddp_job(hosts, plan.hosts, argv, timeout_s, op_timeout_s=timeout_s / share)
     argv += ["--ifname", hosts.ifname, "--timeout", str(timeout_s)]
     return _jobs.run_ps_job(hosts, ps_layout(plan.hosts, plan.servers, plan.loopback), argv,
                             timeout_s, {"BPSTRAIN_OP_TIMEOUT": str(int(timeout_s))})
@@ -612,6 +631,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--loopback", action="store_true", help="no namespaces, no caps (no root needed)")
     a("--latency-ms", type=float, default=d.latency_ms, help="tbf queue latency")
     a("--timeout", type=float, default=d.timeout_s, help="seconds per job")
+    a("--hook-timeout", type=float, default=d.hook_timeout_s,
+      help="seconds per DDP PowerSGD job (known to crash or hang on gloo); gloo's "
+           "collective timeout is a quarter of it (of --timeout for the other DDP jobs: half)")
 
 
 def needs_root(args: argparse.Namespace) -> bool:
@@ -633,7 +655,8 @@ def plan_from_args(args: argparse.Namespace) -> CompressionPlan:
         tta_hidden=args.tta_hidden, tta_steps=args.tta_steps, tta_target=args.tta_target,
         kernel_mbytes=args.kernel_mbytes, kernel_repeat=args.kernel_repeat,
         kernel_workers=args.kernel_workers, kernel_threads=args.kernel_threads,
-        loopback=args.loopback, latency_ms=args.latency_ms, timeout_s=args.timeout)
+        loopback=args.loopback, latency_ms=args.latency_ms, timeout_s=args.timeout,
+        hook_timeout_s=args.hook_timeout)
 
 
 def run_args(args: argparse.Namespace) -> tuple[str, str, list[dict]]:

@@ -93,12 +93,14 @@ def _run_ddp(hosts, plan: TrainPlan, model: str) -> list[dict]:
     return run_ddp_job(hosts, plan.hosts, argv, plan.timeout_s)
 
 
-def run_ddp_job(hosts, world_size: int, argv: Sequence[str], timeout_s: float) -> list[dict]:
+def run_ddp_job(hosts, world_size: int, argv: Sequence[str], timeout_s: float,
+                op_timeout_s: float | None = None) -> list[dict]:
     """Rank r of a gloo job on worker host r: ``argv`` plus the rendezvous flags ``--addr``
-    (host 0), ``--port``, ``--world-size``, ``--ifname``, ``--timeout`` and ``--rank``;
-    returns the ranks' ``BENCH_RESULT`` payloads (see :class:`bpstrain.bench._jobs.Job`)."""
+    (host 0), ``--port``, ``--world-size``, ``--ifname``, ``--timeout`` (gloo's,
+    ``op_timeout_s`` or the job's deadline ``timeout_s``) and ``--rank``; returns the
+    ranks' ``BENCH_RESULT`` payloads (see :class:`bpstrain.bench._jobs.Job`)."""
     argv = [*argv, "--addr", hosts.addr(0), "--port", str(hosts.next_port()), "--world-size",
-            str(world_size), "--ifname", hosts.ifname, "--timeout", str(timeout_s)]
+            str(world_size), "--ifname", hosts.ifname, "--timeout", str(op_timeout_s or timeout_s)]
     job = _jobs.Job(hosts)
     for rank in range(world_size):
         job.start(f"ddp{rank}", rank, [*argv, "--rank", str(rank)], _jobs.child_env({}),

@@ -58,6 +58,14 @@ def test_first_error_line_names_the_error():
     assert compression.first_error_line(crash).startswith("terminate called")
     trace = "Traceback (most recent call last):\n  File x\nAssertionError: in _orthogonalize"
     assert compression.first_error_line(trace) == "AssertionError: in _orthogonalize"
+    chained = ("[rank0]: RuntimeError: Got the following error when running the callback: "
+               "RuntimeError: [/w/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting")
+    assert compression.first_error_line(chained) == (
+        "RuntimeError: [unbound_buffer.cc:78] Timed out waiting")
+    bare = ('[rank1]:   File "/x/powerSGD_hook.py", line 26, in _orthogonalize\n'
+            "[rank1]:     raise AssertionError\n[rank1]: AssertionError")
+    assert compression.first_error_line(bare) == (
+        "AssertionError in _orthogonalize (powerSGD_hook.py:26)")
     assert compression._outcome(RuntimeError(
         "Benchmark process ddp0 failed.\n" + compression.STEPS_DONE + "\nterminate called")
     ) == "crashed at exit, after its steps: terminate called"
