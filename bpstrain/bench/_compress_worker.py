@@ -70,6 +70,8 @@ def make_compression(spec: str):
         return Compression.dithering(s.levels)
     if s.codec == "powersgd":
         return Compression.powersgd(s.rank)
+    if s.codec == "auto":
+        return Compression.from_spec(s)
     raise ValueError(f"Expected a codec the benchmark knows. Received: {spec!r}")
 
 

@@ -32,7 +32,8 @@ Parts (``--part``, several allowed; default all three):
 
 Systems: ``none fp16 bf16 onebit topk randomk dithering powersgd`` are bpstrain's
 ``DistributedOptimizer(compression=Compression.<name>(...))`` (top-k/random-k ratio,
-dithering levels and PowerSGD rank from the flags); ``ddp``, ``ddp-fp16``,
+dithering levels and PowerSGD rank from the flags), ``auto`` is ``--auto-spec``
+(``auto:onebit``: compression only where it pays; not in the default lists); ``ddp``, ``ddp-fp16``,
 ``ddp-powersgd`` and ``ddp-powersgd-batched`` are torch DDP over gloo with no hook,
 ``fp16_compress_hook``, ``powerSGD_hook`` and ``batched_powerSGD_hook`` (PowerSGD from
 step 2; with torch 2.13 on gloo these crash: a job that fails is reported as
@@ -58,7 +59,8 @@ from bpstrain.bench.training import ps_layout, run_ddp_job
 
 _WORKER = "bpstrain.bench._compress_worker"
 PARTS = ("wire", "accuracy", "kernels")
-BPSTRAIN_SYSTEMS = ("none", "fp16", "bf16", "onebit", "topk", "randomk", "dithering", "powersgd")
+BPSTRAIN_SYSTEMS = ("none", "fp16", "bf16", "onebit", "topk", "randomk", "dithering", "powersgd",
+                    "auto")
 DDP_SYSTEMS = ("ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd", "ddp-powersgd-batched")
 SYSTEMS = BPSTRAIN_SYSTEMS + DDP_SYSTEMS
 WIRE_SYSTEMS = ("none", "fp16", "onebit", "topk", "randomk", "powersgd", "dithering",
@@ -82,6 +84,7 @@ class CompressionPlan:
     randomk_ratio: float = 0.01
     powersgd_rank: int = 2
     dithering_levels: int = 15
+    auto_spec: str = "auto:onebit"
     # wire
     model: str = "vgg16"
     batch_size: int = 8
@@ -128,7 +131,8 @@ class CompressionPlan:
             return "none" if system == "ddp" else system[len("ddp-"):]
         return {"topk": f"topk:{self.topk_ratio:g}", "randomk": f"randomk:{self.randomk_ratio:g}",
                 "dithering": f"dithering:{self.dithering_levels}",
-                "powersgd": f"powersgd:{self.powersgd_rank}"}.get(system, system)
+                "powersgd": f"powersgd:{self.powersgd_rank}",
+                "auto": self.auto_spec}.get(system, system)
 
     def label(self, system: str) -> str:
         """The system as the tables name it."""
@@ -138,7 +142,8 @@ class CompressionPlan:
                  "topk": f"bpstrain top-k {self.topk_ratio * 100:g}%",
                  "randomk": f"bpstrain random-k {self.randomk_ratio * 100:g}%",
                  "dithering": f"bpstrain dithering {self.dithering_levels} levels",
-                 "powersgd": f"bpstrain PowerSGD rank {self.powersgd_rank}"}
+                 "powersgd": f"bpstrain PowerSGD rank {self.powersgd_rank}",
+                 "auto": f"bpstrain {self.auto_spec}"}
         return names.get(system, f"bpstrain {system}")
 
 
@@ -604,6 +609,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--randomk-ratio", type=float, default=d.randomk_ratio)
     a("--powersgd-rank", type=int, default=d.powersgd_rank)
     a("--dithering-levels", type=int, default=d.dithering_levels)
+    a("--auto-spec", default=d.auto_spec, help="system 'auto': its spec (compression where it "
+      "pays; on loopback with no cap it should cost little against none)")
     a("--model", default=d.model, help="wire part's model (bench.training's)")
     a("--batch-size", type=int, default=d.batch_size, help="wire part, per worker")
     a("--image-size", type=int, default=d.image_size)
@@ -647,6 +654,7 @@ def plan_from_args(args: argparse.Namespace) -> CompressionPlan:
         parts=args.parts, rates_mbit=args.rate_mbit, hosts=args.hosts, servers=args.servers,
         systems=args.systems, topk_ratio=args.topk_ratio, randomk_ratio=args.randomk_ratio,
         powersgd_rank=args.powersgd_rank, dithering_levels=args.dithering_levels,
+        auto_spec=args.auto_spec,
         model=args.model, batch_size=args.batch_size, image_size=args.image_size,
         num_classes=args.num_classes, iters=args.iters, warmup=args.warmup, device=args.device,
         acc_systems=args.acc_systems, acc_model=args.acc_model, acc_steps=args.acc_steps,
