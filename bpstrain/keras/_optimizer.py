@@ -167,9 +167,9 @@ def _resolve(compression):
     if compression is None:
         return None
     if keras.backend.backend() == "tensorflow":
-        from bpstrain.tensorflow.compression import resolve
+        from bpstrain.tensorflow.compression import for_optimizer
 
-        return resolve(compression)
+        return for_optimizer(compression)  # a single codec: tensors of >= 1024 elements
     if isinstance(compression, str):
         from bpstrain.torch.compression import Compression
 
@@ -263,9 +263,11 @@ def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
             ``bpstrain.torch.Compression.fp16``): gradients travel compressed and come
             back in their own dtype. With the TensorFlow backend also the stateful
             codecs (``Compression.onebit()``, ``topk(r)``, ``randomk(r)``,
-            ``dithering(s)``, ``powersgd(r)``), eagerly and inside ``model.fit``'s
-            ``tf.function``; their error-feedback state is per rank
-            (``compression.get_state()``/``set_state()``). Not with
+            ``dithering(s)``, ``powersgd(r)``, ``auto()`` or spec strings), eagerly and
+            inside ``model.fit``'s ``tf.function``, for gradients of at least 1024
+            elements (``Compression.policy(..., min_size=)`` chooses otherwise); their
+            error-feedback state is per rank (``compression.get_state()``/
+            ``set_state()``, or a ``tf.train.Checkpoint`` of this optimizer). Not with
             ``backward_passes_per_step > 1`` (the local sum would be kept in the
             compressed dtype).
 

@@ -19,7 +19,8 @@ import tensorflow as tf
 
 from bpstrain import _group, engine
 from bpstrain.engine import Op
-from bpstrain.tensorflow.compression import Compression, check_compression, is_stateful, resolve
+from bpstrain.tensorflow.compression import (Compression, check_compression, for_push_pull,
+                                             is_stateful)
 
 Average = Op.AVERAGE
 """``op=Average``: the mean over all ranks (Horovod's ``hvd.Average``)."""
@@ -126,9 +127,10 @@ def push_pull(tensor, average: Optional[bool] = None, name: Optional[str] = None
             disagree get an error, not a wait): a function traced again with another
             shape or dtype, or two functions of one Python name, need explicit names.
         priority: Larger is sent sooner.
-        compression: A cast (``Compression.fp16``/``bf16``: the tensor travels in that
-            dtype) or a stateful codec (``Compression.topk(0.01)`` etc., which keeps an
-            error-feedback residual under ``name``; not differentiable).
+        compression: A cast (``Compression.fp16``/``bf16`` or their spec strings: the
+            tensor travels in that dtype) or a stateful codec object
+            (``Compression.topk(0.01)`` etc., made once: it keeps an error-feedback
+            residual under ``name``; not differentiable).
         op: ``Average`` or ``Sum`` (Horovod's spelling of ``average``).
 
     Returns:
@@ -140,7 +142,7 @@ def push_pull(tensor, average: Optional[bool] = None, name: Optional[str] = None
         ValueError: both ``average`` and ``op``, or an ``op`` other than Average/Sum.
     """
     average = resolve_average(average, op)
-    compression = resolve(compression)
+    compression = for_push_pull(compression)
     check_compression(compression)
     tensor = tf.convert_to_tensor(tensor)
     name = tensor_name("push_pull", tensor, name)

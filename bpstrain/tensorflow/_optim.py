@@ -9,8 +9,8 @@ import tensorflow as tf
 
 from bpstrain import _group
 from bpstrain.tensorflow import _ops
-from bpstrain.tensorflow.compression import (Compression, check_compression, reduce_with,
-                                             resolve)
+from bpstrain.tensorflow.compression import (Compression, check_compression, for_optimizer,
+                                             reduce_with)
 
 
 def broadcast_variables(variables: Iterable, root_rank: int, name: str = "broadcast"):
@@ -97,8 +97,9 @@ def DistributedGradientTape(gradtape: tf.GradientTape, average: Optional[bool] =
             with the same paths distinct names.
         compression: ``Compression.fp16``/``bf16`` send floating gradients in that
             dtype (they come back in their own); a stateful codec
-            (``Compression.onebit()``, ``topk(r)``, ...) compresses with error feedback
-            keyed by the engine names.
+            (``Compression.onebit()``, ``topk(r)``, ..., or its spec string) compresses
+            gradients of at least 1024 elements with error feedback keyed by the engine
+            names; ``Compression.policy(...)`` chooses per tensor.
         op: ``Average`` (default) or ``Sum``, as in Horovod.
         device_dense, device_sparse: Accepted for Horovod/BytePS compatibility and
             ignored: gradients travel through host memory.
@@ -112,7 +113,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, average: Optional[bool] =
             Average/Sum, or a ``compression`` without compress/decompress.
     """
     average = _ops.resolve_average(average, op)
-    compression = resolve(compression)  # a spec string or policy too
+    compression = for_optimizer(compression)  # specs, policies; min_size 1024
     check_compression(compression)
     if not isinstance(gradtape, tf.GradientTape):
         raise ValueError("DistributedGradientTape wraps a tf.GradientTape. "
@@ -188,7 +189,7 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, average: Optiona
     import keras
 
     average = _ops.resolve_average(average, op)
-    compression = resolve(compression)  # a spec string or policy too
+    compression = for_optimizer(compression)  # specs, policies; min_size 1024
     check_compression(compression)
     if isinstance(optimizer, keras.optimizers.Optimizer):
         if not average:

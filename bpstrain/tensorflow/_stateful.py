@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from bpstrain import _codec, _group, engine
-from bpstrain._compression import powersgd_initial_q
+from bpstrain._compression import CompressionSpec, parse_compression, powersgd_initial_q
 from bpstrain.tensorflow import _wire
 
 
@@ -24,6 +24,8 @@ class StatefulCompressor(tf.Module):
         error_feedback: Keep what compression dropped and add it to the next step's
             gradient of the same name (on by default, as every lossy codec needs).
     """
+
+    codec_name = ""  # its name in spec strings
 
     def __init__(self, error_feedback: bool = True, name: Optional[str] = None):
         super().__init__(name=name)
@@ -97,6 +99,14 @@ class StatefulCompressor(tf.Module):
                 self._state[key].assign(np.asarray(value))
             else:
                 self._pending[key] = np.asarray(value)
+
+    @property
+    def spec(self) -> CompressionSpec:
+        """The spec this compressor implements (``str(spec)`` parses back to it)."""
+        return parse_compression({"codec": self.codec_name, **self._options()})
+
+    def _options(self) -> dict:
+        return {"error_feedback": self.error_feedback}
 
     def roundtrip(self, tensor) -> tf.Tensor:
         """This rank's tensor compressed and decompressed locally, state untouched (what
@@ -189,6 +199,10 @@ class _BlobCompressor(StatefulCompressor):
         """The blobs of a flat tensor of ``numel`` elements."""
         raise NotImplementedError
 
+    def _options(self):
+        return {**super()._options(), "server_error_feedback": self.server_error_feedback,
+                "chunk": self.chunk}
+
     def _uniform(self, n: int) -> tf.Tensor:
         raise NotImplementedError  # stochastic codecs only
 
@@ -223,11 +237,14 @@ class OneBitCompressor(_BlobCompressor):
         chunk: Elements per blob (one scale each).
     """
 
-    codec = _codec.ONEBIT
+    codec, codec_name = _codec.ONEBIT, "onebit"
 
     def __init__(self, scaling: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.scaling = bool(scaling)
+
+    def _options(self):
+        return {**super()._options(), "scaled": self.scaling}
 
     def layout(self, numel):
         return _wire.Layout(self.codec, numel, self.chunk, scaled=self.scaling,
@@ -241,11 +258,14 @@ class TopKCompressor(_BlobCompressor):
         ratio: Share of elements sent, in (0, 1].
     """
 
-    codec = _codec.TOPK
+    codec, codec_name = _codec.TOPK, "topk"
 
     def __init__(self, ratio: float, **kwargs):
         super().__init__(**kwargs)
         self.ratio = _ratio("topk", ratio)
+
+    def _options(self):
+        return {**super()._options(), "ratio": self.ratio}
 
     def layout(self, numel):
         return _wire.Layout(self.codec, numel, self.chunk, ratio=self.ratio,
@@ -260,7 +280,7 @@ class DitheringCompressor(_BlobCompressor):
         stochastic: Round stochastically on the workers (unbiased); else to the nearest.
     """
 
-    codec = _codec.DITHERING
+    codec, codec_name = _codec.DITHERING, "dithering"
 
     def __init__(self, levels: int, stochastic: bool = True, seed: Optional[int] = None,
                  **kwargs):
@@ -268,13 +288,17 @@ class DitheringCompressor(_BlobCompressor):
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
             raise ValueError("dithering needs an integer number of levels in [1, 127]. "
                              f"Received: levels={levels!r}")
-        self.levels, self.stochastic = levels, bool(stochastic)
+        self.levels, self.stochastic, self.seed = levels, bool(stochastic), seed
         # Rounding needs no agreement between ranks; a seed makes a run repeatable.
         self.generator = (tf.random.Generator.from_non_deterministic_state() if seed is None
                           else tf.random.Generator.from_seed(int(seed)))
 
     def _uniform(self, n: int) -> tf.Tensor:
         return self.generator.uniform([n], dtype=tf.float64)
+
+    def _options(self):
+        return {**super()._options(), "levels": self.levels, "stochastic": self.stochastic,
+                "seed": self.seed or 0}
 
     def layout(self, numel):
         return _wire.Layout(self.codec, numel, self.chunk, levels=self.levels,
@@ -296,6 +320,11 @@ class RandomKCompressor(StatefulCompressor):
                  name: Optional[str] = None):
         super().__init__(error_feedback, name)
         self.ratio, self.seed = _ratio("randomk", ratio), int(seed)
+
+    codec_name = "randomk"
+
+    def _options(self):
+        return {**super()._options(), "ratio": self.ratio, "seed": self.seed}
 
     def indices(self, name: str, n: int, k: int) -> tf.Tensor:
         """This step's ``k`` indices of tensor ``name`` (advances its step counter)."""
@@ -356,6 +385,11 @@ class PowerSGDCompressor(StatefulCompressor):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"powersgd needs an integer rank >= 1. Received: rank={rank!r}")
         self.rank, self.seed = rank, int(seed)
+
+    codec_name = "powersgd"
+
+    def _options(self):
+        return {**super()._options(), "rank": self.rank, "seed": self.seed}
 
     def _accepts(self, tensor):
         if not super()._accepts(tensor) or tensor.shape.rank < 2:

@@ -55,8 +55,8 @@ from bpstrain.tensorflow._stateful import (DitheringCompressor, OneBitCompressor
 __all__ = ["AutoCompressor", "BF16Compressor", "Compression", "Compressor",
            "DitheringCompressor", "FP16Compressor", "NoneCompressor", "OneBitCompressor",
            "PolicyCompressor", "PowerSGDCompressor", "RandomKCompressor", "StatefulCompressor",
-           "TopKCompressor", "check_compression", "from_spec", "is_stateful", "reduce_with",
-           "resolve"]
+           "TopKCompressor", "check_compression", "for_optimizer", "for_push_pull", "from_spec",
+           "is_stateful", "reduce_with", "resolve"]
 
 
 class _TFHalf(HalfCompressor):
@@ -140,12 +140,19 @@ class AutoCompressor(tf.Module):
     def __init__(self, compression: Any = "fp16", steps: int = 5,
                  bandwidth: Optional[float] = None):
         super().__init__()
-        self.spec: CompressionSpec = parse_compression(compression or "fp16")
-        if self.spec.codec in ("auto", "none"):
+        self.inner_spec: CompressionSpec = parse_compression(compression or "fp16")
+        if self.inner_spec.codec in ("auto", "none"):
             raise ValueError("auto wraps a compressing codec. "
                              f"Received: compression={compression!r}")
-        self.inner = from_spec(self.spec)
+        self.inner = from_spec(self.inner_spec)
+        self.steps, self.bandwidth = int(steps), bandwidth
         self.policy = AutoPolicy(steps, bandwidth)
+
+    @property
+    def spec(self) -> CompressionSpec:
+        """The spec this compressor implements (``auto:...``)."""
+        return parse_compression({"codec": "auto", "inner": self.inner_spec, "steps": self.steps,
+                                  **({"bandwidth": self.bandwidth} if self.bandwidth else {})})
 
     def reduce(self, tensors: Sequence, names: Sequence[str], average: bool = True,
                priorities: Optional[Sequence[int]] = None,
@@ -196,7 +203,7 @@ class AutoCompressor(tf.Module):
             back = self.inner.decompress(sent, ctx)
         np.asarray(tf.reduce_sum(back))  # waits for a GPU's kernels
         self.policy.record_codec(name, time.perf_counter() - start, tensor.dtype.size * numel,
-                                 wire_bytes(self.spec, numel, tensor.dtype.size))
+                                 wire_bytes(self.inner_spec, numel, tensor.dtype.size))
 
     def get_state(self, server_state: bool = False) -> Dict[str, Any]:
         """The decisions and measurements, and the inner codec's state (see
@@ -220,12 +227,16 @@ class PolicyCompressor(tf.Module):
 
     Args:
         policy: A :class:`bpstrain._compression.CompressionPolicy`.
+        default: The compressor of the policy's default spec (e.g. one the user holds,
+            so that its ``get_state`` sees the state); made from the spec otherwise.
     """
 
-    def __init__(self, policy: CompressionPolicy):
+    def __init__(self, policy: CompressionPolicy, default: Any = None):
         super().__init__()
         self.policy = policy
         self.compressors: Dict[str, Any] = {}  # spec string -> stateful compressor
+        if default is not None:
+            self.compressors[str(policy.default)] = default
 
     def _for(self, spec: CompressionSpec):
         key = str(spec)
@@ -341,6 +352,30 @@ def resolve(compression):
     if isinstance(compression, (str, dict, CompressionSpec)):
         return from_spec(compression)
     return compression
+
+
+def for_optimizer(compression):
+    """What DistributedOptimizer and DistributedGradientTape use for ``compression``: as
+    torch's, a single codec (or ``auto``) applies per tensor, tensors under
+    :data:`~bpstrain._compression.DEFAULT_MIN_SIZE` elements (1024) stay uncompressed; the
+    codec object is kept (its ``get_state`` sees the state). Use ``Compression.policy``
+    for another minimum size; casts and policies pass as they are."""
+    compression = resolve(compression)
+    if isinstance(compression, (StatefulCompressor, AutoCompressor)):
+        return PolicyCompressor(CompressionPolicy(compression.spec), default=compression)
+    return compression
+
+
+def for_push_pull(compression):
+    """What ``push_pull`` uses: a spec string of a stateful codec is refused, as torch's
+    push_pull does (a compressor made per call would forget its residual)."""
+    made = resolve(compression)
+    if made is not compression and is_stateful(made):
+        raise ValueError("push_pull takes a stateful compressor as an object: make it once "
+                         "(e.g. comp = Compression.topk(0.01)) and pass it at every call, so "
+                         "that it keeps the tensor's residual. Received: "
+                         f"compression={compression!r}")
+    return made
 
 
 def is_stateful(compression) -> bool:

@@ -220,15 +220,24 @@ def test_push_pull_and_the_optimizers_take_every_kind():
     import bpstrain.tensorflow as bps
 
     x = tf.constant(_data(64).reshape(8, 8))
-    for compression in (Compression.bf16, "onebit", Compression.dithering(3)):
+    for compression in (Compression.bf16, "bf16", Compression.dithering(3)):
         assert bps.push_pull(x, name="pp", compression=compression).shape == (8, 8)
-    w = tf.Variable(tf.ones([8, 8]))
+    # As torch's push_pull: a stateful spec string would make a compressor per call.
+    with pytest.raises(ValueError, match="make it once"):
+        bps.push_pull(x, name="pp", compression="onebit")
+
+    # The optimizers apply a single codec to tensors of >= 1024 elements, as torch's.
+    big, small = tf.Variable(tf.ones([40, 40])), tf.Variable(tf.ones([8, 8]))
     with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(w * x)
-    topk = Compression.topk(0.25)
-    grad = bps.DistributedGradientTape(tape, compression=topk).gradient(loss, [w])[0]
-    assert int(tf.math.count_nonzero(grad)) <= 16
-    assert list(topk.get_state()) == ["residual/DistributedGradientTape.Variable"]
+        loss = tf.reduce_sum(big * _data(1600).reshape(40, 40)) + tf.reduce_sum(small * x)
+    topk = Compression.topk(0.01)
+    grads = bps.DistributedGradientTape(tape, compression=topk, name="tape").gradient(
+        loss, [big, small])
+    assert int(tf.math.count_nonzero(grads[0])) <= 16
+    np.testing.assert_array_equal(grads[1].numpy(), x.numpy())  # small: plain
+    assert list(topk.get_state()) == ["residual/tape.Variable"]  # the object we hold
+    tape_spec = bps.DistributedGradientTape(tf.GradientTape(), compression="topk:0.01")
+    assert isinstance(tape_spec._bps_compression, PolicyCompressor)
 
 
 # -- the 2- and 3-worker jobs -------------------------------------------------------------
@@ -280,8 +289,9 @@ def test_a_keras_checkpoint_carries_the_residuals_and_resumes_exactly(tmp_path):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
         # Named: the state is keyed by engine names (a new process numbers alike).
-        optimizer = bps_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
-                                                   name="opt", compression=Compression.onebit())
+        optimizer = bps_keras.DistributedOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.9), name="opt",
+            compression=Compression.policy("onebit", min_size=0))  # tiny tensors too
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model, optimizer
