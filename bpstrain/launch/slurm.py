@@ -340,6 +340,17 @@ def _cancel_step(job: str, why: str) -> None:
             log(f"scancel {job} failed ({exc}); the other tasks end once they lose this one")
 
 
+def _forward(sig: int, children: Sequence[Child]) -> None:
+    """Sends ``sig`` to each child process itself (not its group: a helper process of a
+    worker may not expect it)."""
+    for child in children:
+        if child.running():
+            try:
+                os.kill(child.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
 def run_task(task: SlurmTask, cmd: Sequence[str], environ: Mapping[str, str],
              grace: float = DEFAULT_GRACE, service_timeout: float | None = None) -> int:
     """Runs this task's roles and workers until the job ends.
@@ -353,10 +364,12 @@ def run_task(task: SlurmTask, cmd: Sequence[str], environ: Mapping[str, str],
     services: list[Child] = []
     workers: list[Child] = []
     log(task.describe())
-    if threading.current_thread() is threading.main_thread():
+    main = threading.current_thread() is threading.main_thread()
+    if main:
         # `#SBATCH --signal=USR1@T` signals every process of the step; by default it would
-        # kill them. Ignored here and (inherited) in the roles and workers; a worker that
-        # wants it (to checkpoint) installs its own handler.
+        # kill them. Ignored while the roles and workers start (they inherit that); a
+        # worker that wants it (the Trainer, to checkpoint and requeue) installs its own
+        # handler.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         _start_services(task, base, services, events.put)
@@ -365,6 +378,10 @@ def run_task(task: SlurmTask, cmd: Sequence[str], environ: Mapping[str, str],
             env = {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(task.worker_id),
                    "BYTEPS_LOCAL_RANK": str(local_rank)}
             workers.append(Child(f"worker {rank}", cmd, env, events.put, die_with_parent=True))
+        if main:
+            # Then passed on to the workers (only): each leads its own session, which a
+            # site's process tracking by process group (proctrack/pgid) would not reach.
+            signal.signal(signal.SIGUSR1, lambda *_: _forward(signal.SIGUSR1, workers))
     except OSError as exc:
         log(f"could not start {exc.filename or cmd[0]!s}: {exc.strerror}. Received: cmd={cmd}")
         stop_children([*workers, *services], grace)

@@ -15,6 +15,7 @@ of the job; with one worker it trains in this process. Callbacks:
 """
 
 from bpstrain.trainer._local_cluster import RemoteTraceback, WorkerError
+from bpstrain.trainer._preempt import Preempted
 from bpstrain.trainer.callbacks import (CSVLogger, Callback, CommTimeline, EarlyStopping,
                                         LearningRateSchedule, MetricAveraging, ModelCheckpoint,
                                         ProgressBar, TensorBoardLogger, Throughput,
@@ -25,6 +26,6 @@ from bpstrain.trainer.trainer import Trainer, launch_mode
 
 __all__ = [
     "CSVLogger", "Callback", "CommTimeline", "EarlyStopping", "History", "LearningRateSchedule",
-    "MetricAveraging", "ModelCheckpoint", "ProgressBar", "RemoteTraceback", "TensorBoardLogger", "Throughput",
+    "MetricAveraging", "ModelCheckpoint", "Preempted", "ProgressBar", "RemoteTraceback", "TensorBoardLogger", "Throughput",
     "Trainer", "WorkerError", "find_last_checkpoint", "launch_mode", "run_recipe",
 ]

@@ -60,6 +60,23 @@ def resolve(data: Any, what: str = "data") -> tuple:
     return data, loader_options
 
 
+class ResumableSampler(DistributedSampler):
+    """``DistributedSampler`` that can leave out the start of its next epoch's order.
+
+    Attributes:
+        skip: Samples to drop from the front of the next ``__iter__`` (then back to 0):
+            a mid-epoch resume sets it to ``batches done x batch size``, so the loader
+            yields exactly the batches the interrupted epoch had left, in its order.
+    """
+
+    skip = 0
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        indices = super().__iter__()
+        return iter(list(indices)[skip:]) if skip else indices
+
+
 def train_loader(data: Any, cfg: Any, rank: int, size: int) -> DataLoader:
     """This rank's training DataLoader: shuffled per epoch, padded to equal length.
 
@@ -68,8 +85,8 @@ def train_loader(data: Any, cfg: Any, rank: int, size: int) -> DataLoader:
     dataset, options = resolve(data, "data")
     if len(dataset) == 0:
         raise ValueError("data is empty; expected at least one training sample. Received: len=0")
-    sampler = DistributedSampler(dataset, num_replicas=size, rank=rank,
-                                 shuffle=bool(cfg.data.shuffle), seed=int(cfg.trainer.seed))
+    sampler = ResumableSampler(dataset, num_replicas=size, rank=rank,
+                               shuffle=bool(cfg.data.shuffle), seed=int(cfg.trainer.seed))
     return DataLoader(dataset, batch_size=options.get("batch_size", int(cfg.trainer.batch_size)),
                       sampler=sampler, drop_last=bool(cfg.data.drop_last),
                       num_workers=options.get("num_workers", int(cfg.data.loader_workers)),

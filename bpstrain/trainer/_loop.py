@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from bpstrain.config import ConfigError
-from bpstrain.trainer import _compression_state, _data, _optim
+from bpstrain.trainer import _compression_state, _data, _optim, _preempt
 from bpstrain.trainer._dispatch import fire, module_hook
 from bpstrain.trainer._precision import Precision, optimizer_step
 from bpstrain.trainer.callbacks.checkpoint import find_last_checkpoint, read_checkpoint
@@ -103,26 +103,34 @@ def _means(sums: Sums) -> Dict[str, float]:
     return {k: (s / n if n else math.nan) for k, (s, n) in sums.items()}
 
 
-def _restore(trainer, module, optimizers: list) -> Optional[dict]:
+def _restore(trainer, module, optimizers: list, watch=None) -> Optional[dict]:
     """Loads the checkpoint ``trainer.resume`` names; rank 0 reads it, everyone gets it.
 
     Reading on rank 0 only makes every rank take the same decision (resume or start
-    fresh) and works when the other ranks cannot see ``out_dir``.
+    fresh) and works when the other ranks cannot see ``out_dir``. Without
+    ``trainer.resume``, a requeued Slurm job resumes from its own preemption checkpoint
+    (:mod:`bpstrain.trainer._preempt`) when there is one.
 
     Returns:
         The checkpoint loaded (None: starting fresh), for what is restored after the
         optimizers are wrapped (the compressors' error-feedback state).
     """
     resume = trainer.config.trainer.resume
-    if not resume:
+    job = not resume and watch is not None and watch.how == "requeue"
+    if not resume and not job:
         return None
     loaded = None
     if trainer.rank == 0:
-        path = find_last_checkpoint(trainer.out_dir) if resume == "auto" else resume
+        if job:
+            path = _preempt.job_resume_path(trainer.config)
+        else:
+            path = find_last_checkpoint(trainer.out_dir) if resume == "auto" else resume
         loaded = (str(path), read_checkpoint(path)) if path is not None else None
     loaded = trainer.comm.broadcast_object(loaded, "trainer.resume")
     if loaded is None:
-        trainer.print(f"trainer.resume=auto: no checkpoint in {trainer.out_dir}; starting fresh")
+        if not job:
+            trainer.print(f"trainer.resume=auto: no checkpoint in {trainer.out_dir}; "
+                          "starting fresh")
         return None
     path, ckpt = loaded
     hook = module_hook(module, "on_load_checkpoint")
@@ -153,8 +161,11 @@ def _restore(trainer, module, optimizers: list) -> Optional[dict]:
             cb.load_state_dict(states[cb.state_key])
     if trainer.rank == 0 and ckpt.get("rng") is not None:
         torch.set_rng_state(ckpt["rng"])
+    _preempt.restore_position(trainer, ckpt)  # saved mid-epoch: at the next batch
     fire(trainer.callbacks, "load_checkpoint", trainer, module, checkpoint=ckpt)
-    trainer.print(f"resumed from {path} (epoch {trainer.current_epoch})")
+    where = f"epoch {trainer.current_epoch}" + (
+        f", batch {trainer.resume_batch}" if trainer.resume_batch else "")
+    trainer.print(f"resumed from {path} ({where})")
     return ckpt
 
 
@@ -201,7 +212,17 @@ def setup_module(trainer, module) -> torch.device:
 
 
 def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
-    """Trains ``module`` on this rank's shard of ``data``; returns the history."""
+    """Trains ``module`` on this rank's shard of ``data``; returns the history.
+
+    Raises:
+        bpstrain.trainer.Preempted: After the checkpoint SIGUSR1 asked for
+            (:mod:`bpstrain.trainer._preempt`).
+    """
+    with _preempt.Watch(trainer, _preempt.mode(trainer.config)) as watch:
+        return _fit_torch(trainer, module, data, val_data, watch)
+
+
+def _fit_torch(trainer, module, data: Any, val_data: Any, watch) -> History:
     cfg, comm = trainer.config, trainer.comm
     device = setup_module(trainer, module)
     precision = trainer.precision_plugin
@@ -212,7 +233,7 @@ def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
     trainer.num_training_batches = max(steps - steps % passes, min(steps, passes))
     optimizers, trainer.lr_schedulers = _build_optimizers(trainer, module)
     trainer.module, trainer.optimizers, trainer.optimizer = module, optimizers, optimizers[0]
-    ckpt = _restore(trainer, module, optimizers)
+    ckpt = _restore(trainer, module, optimizers, watch)
     trainer.optimizers = [comm.wrap_optimizer(o, module, passes) for o in optimizers]
     trainer.optimizer = trainer.optimizers[0]
     _compression_state.restore(trainer, ckpt)  # each rank its own residuals
@@ -224,14 +245,23 @@ def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
 
     fire(callbacks, "fit_start", trainer, module, logs={})
     fire(callbacks, "train_start", trainer, module)
+    rank_state = trainer.resume_rank_state
     for epoch in range(trainer.current_epoch, trainer.max_epochs):
-        trainer.current_epoch, trainer.logs = epoch, {}
-        trainer.train_sums, trainer.val_sums = {}, None
+        start, trainer.resume_batch = trainer.resume_batch, 0
+        trainer.current_epoch, trainer.logs = epoch, dict(trainer.resume_logs) if start else {}
+        trainer.train_sums = trainer.resume_sums if start else {}
+        trainer.val_sums = None
         train_dl.sampler.set_epoch(epoch)
+        # A mid-epoch resume: the same shuffled order, less the batches already trained.
+        train_dl.sampler.skip = start * train_dl.batch_size
         fire(callbacks, "train_epoch_start", trainer, module, epoch=epoch, logs=trainer.logs)
         module.train()
         _zero_grad(trainer.optimizers)
-        for batch_idx, batch in enumerate(train_dl):
+        batches = iter(train_dl)  # draws from the torch RNG (the loader's base seed)
+        if rank_state is not None:  # where this rank's RNGs stood after the saved step
+            _preempt.set_rng(rank_state)
+            rank_state = None
+        for batch_idx, batch in enumerate(batches, start):
             if batch_idx >= trainer.num_training_batches:
                 break
             batch = _data.to_device(batch, device)
@@ -258,6 +288,8 @@ def fit_torch(trainer, module, data: Any, val_data: Any) -> History:
             trainer.progress_step = epoch * trainer.num_training_batches + batch_idx + 1
             fire(callbacks, "train_batch_end", trainer, module, outputs=logged, batch=batch,
                  batch_idx=batch_idx, logs=dict(logged, batch=batch_idx, size=n))
+            if (batch_idx + 1) % passes == 0 and watch.should_stop():
+                _preempt.save_and_stop(trainer, watch, epoch, batch_idx + 1, train_dl.sampler)
         trainer.logs.update(_means(trainer.train_sums))
         every = int(cfg.trainer.val_every)
         if val_dl is not None and every and (epoch + 1) % every == 0:

@@ -75,6 +75,13 @@ def comm_options(config: DictConfig) -> Dict[str, Any]:
 LOGGER_TYPES = (cbs.CSVLogger, cbs.TensorBoardLogger)
 
 
+def _job_run_name(config: DictConfig) -> Optional[str]:
+    """A requeued Slurm job's run folder (where its SIGUSR1 checkpoint is), else None."""
+    from bpstrain.trainer._preempt import job_run_name
+
+    return job_run_name(config)
+
+
 def default_callbacks(config: DictConfig, given: Iterable[cbs.Callback] = ()) -> List[cbs.Callback]:
     """The built-ins the config asks for, except types already in ``given``; then ``given``."""
     t, o = config.trainer, config.optimizer
@@ -137,6 +144,11 @@ class Trainer:
         self.train_sums = self.val_sums = None
         self.history = History()
         self.should_stop = self.resumed = False
+        # A checkpoint saved mid-epoch (SIGUSR1, bpstrain.trainer._preempt): where to go on.
+        self.resume_batch = 0
+        self.resume_sums: Dict[str, list] = {}
+        self.resume_logs: Dict[str, Any] = {}
+        self.resume_rank_state: Optional[Dict[str, Any]] = None
 
     # ------------------------------------------------------------------------- properties
 
@@ -214,7 +226,7 @@ class Trainer:
         from bpstrain.trainer._run_dir import resolve_run_name
 
         # One process names the run folder: this one, or rank 0 of a launched job.
-        self.run_name = (resolve_run_name(self.config.trainer)
+        self.run_name = (_job_run_name(self.config) or resolve_run_name(self.config.trainer)
                          if mode not in ("rank", "slurm") else None)
         if mode == "local_cluster":
             from bpstrain.trainer._local_cluster import LocalClusterLauncher
@@ -228,9 +240,15 @@ class Trainer:
 
         if mode == "slurm":
             from bpstrain.launch.slurm import rank_in_this_process
+            from bpstrain.trainer._preempt import Preempted
 
+            preempted = None
             with rank_in_this_process():
-                return self.fit_rank(model, data, val_data, TqdmSink(), joined=False)
+                try:
+                    return self.fit_rank(model, data, val_data, TqdmSink(), joined=False)
+                except Preempted as exc:  # a clean end of this run: the roles end too
+                    preempted = exc
+            raise preempted
         return self.fit_rank(model, data, val_data, TqdmSink(), joined=mode == "rank",
                              run_name=self.run_name)
 
@@ -255,7 +273,8 @@ class Trainer:
 
         name = run_name or self.config.trainer.run_name
         if name is None:
-            name = resolve_run_name(self.config.trainer) if self.is_global_zero else None
+            name = (_job_run_name(self.config) or resolve_run_name(self.config.trainer)
+                    if self.is_global_zero else None)
             name = self.comm.broadcast_object(name, "trainer.run_name")
         self.run_name = name
         if self.is_global_zero:
@@ -284,7 +303,10 @@ class Trainer:
 
             return fit_torch(self, model, data, val_data)
         except BaseException as exc:
-            fire(self.callbacks, "exception", self, model, exception=exc)
+            from bpstrain.trainer._preempt import Preempted
+
+            if not isinstance(exc, Preempted):  # that one is a planned stop
+                fire(self.callbacks, "exception", self, model, exception=exc)
             raise
         finally:
             self.comm.close(leave_engine=joined)

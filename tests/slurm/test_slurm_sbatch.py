@@ -1,8 +1,10 @@
-"""recipes/slurm.sbatch under a real Slurm: a batch job that SIGUSR1 (what
-``#SBATCH --signal=B:USR1@90`` sends) requeues, and whose second run completes the job.
-2 nodes x 1 task instead of the recipe's 4 x 2, to keep the test short (the launcher's
-4 x 2 layouts are tested in test_slurm_launch.py)."""
+"""recipes/slurm.sbatch under a real Slurm: SIGUSR1 to the step (what
+``#SBATCH --signal=USR1@90`` sends) makes the Trainer checkpoint mid-epoch and requeue the
+job, whose second run resumes at the next batch and completes it. 2 nodes x 1 task instead
+of the recipe's 4 x 2, to keep the test short (the launcher's 4 x 2 layouts are tested in
+test_slurm_launch.py)."""
 
+import json
 import os
 import re
 import subprocess
@@ -15,15 +17,17 @@ import pytest
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 RECIPE = REPO / "recipes" / "slurm.sbatch"
+FIT = REPO / "tests" / "trainer" / "scripts" / "preempt_fit.py"
 ENV = {"BPSTRAIN_RENDEZVOUS_TIMEOUT": "60", "PYTHONPATH": str(REPO),
        "BPSTRAIN_PYTHON": sys.executable}
 
 
-def _sbatch(slurm, out: Path, *args: str) -> int:
+def _sbatch(slurm, out: Path, *args: str, **env: str) -> int:
     proc = subprocess.run(["sbatch", "--parsable", f"--output={out}", f"--chdir={REPO}",
                            "--time=5", "--cpus-per-task=1", "-N", "2", "--ntasks-per-node=1",
                            str(RECIPE), *args],
-                          env={**slurm.env, **ENV}, capture_output=True, text=True, timeout=30)
+                          env={**slurm.env, **ENV, **env}, capture_output=True, text=True,
+                          timeout=30)
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.strip().split(";")[0])
 
@@ -34,6 +38,26 @@ def _job(slurm, job: int) -> dict:
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
+def _run_processes(job: int) -> list:
+    """Pids of the job's processes on this machine: its batch script, srun, tasks (their
+    environment has SLURM_JOB_ID) and step daemons (``slurmstepd: [JOB.STEP]``)."""
+    env_mark, title = f"SLURM_JOB_ID={job}\0".encode(), f"[{job}.".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read() + b"\0"
+        except OSError:
+            continue
+        if env_mark in environ or (cmdline.startswith(b"slurmstepd") and title in cmdline):
+            found.append(int(entry))
+    return found
+
+
 def _wait(what, timeout: float, describe):
     deadline = time.monotonic() + timeout
     while not what():
@@ -41,37 +65,61 @@ def _wait(what, timeout: float, describe):
         time.sleep(0.5)
 
 
-@pytest.mark.skipif(
-    os.environ.get("BPSTRAIN_SLURM_REQUEUE_TEST") != "1",
-    reason="Slurm 22.05's requeue of a running batch job sometimes ends it FAILED "
-           "(NonZeroExitCode) instead of pending, in about one full-suite run of three; "
-           "run with BPSTRAIN_SLURM_REQUEUE_TEST=1 (passes alone)")
-@pytest.mark.timeout(200)
-def test_usr1_before_the_time_limit_requeues_the_job_which_runs_again(slurm, tmp_path):
+@pytest.mark.timeout(300)
+def test_usr1_checkpoints_requeues_and_the_next_run_resumes_at_the_next_batch(slurm, tmp_path):
+    # What the job must reproduce: the same 2-rank fit, uninterrupted (local launcher).
+    whole = subprocess.run(
+        [sys.executable, "-m", "bpstrain.launch", "--workers", "2", "--servers", "1", "--",
+         sys.executable, str(FIT), str(tmp_path / "whole"), str(tmp_path / "whole_log")],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    expected = {r["rank"]: r for r in (json.loads(line.split("RESULT ", 1)[1])
+                                       for line in whole.stdout.splitlines() if "RESULT " in line)}
+    logs = tmp_path / "log"
+    lines = lambda r: (logs / f"rank{r}.log").read_text().splitlines() \
+        if (logs / f"rank{r}.log").exists() else []  # noqa: E731
+
     out = tmp_path / "job.out"
-    job = _sbatch(slurm, out, sys.executable, str(HERE / "hold_worker.py"))
+    job = _sbatch(slurm, out, sys.executable, str(FIT), str(tmp_path / "run"), str(logs),
+                  PREEMPT_STEP_SLEEP="0.1")
     read = lambda: out.read_text() if out.exists() else ""  # noqa: E731
-    _wait(lambda: len(re.findall(r"rank \d launcher", read())) == 2, 60,
+    _wait(lambda: len(lines(1)) >= 20, 90, lambda: f"{_job(slurm, job)}\n{read()}")
+    # As `--signal=USR1@90` does at 90 s before the limit: every process of the steps.
+    subprocess.run(["scancel", "--signal=USR1", str(job)], env=slurm.env, check=True,
+                   timeout=20)
+    _wait(lambda: _job(slurm, job).get("Restarts") == "1", 60,
           lambda: f"{_job(slurm, job)}\n{read()}")
-    # As `--signal=B:USR1@90` would, but now; --full reaches the job's steps too, whose
-    # launchers and roles must not die of it.
-    subprocess.run(["scancel", "--full", "--signal=USR1", str(job)], env=slurm.env,
-                   check=True, timeout=20)
-    _wait(lambda: _job(slurm, job).get("Restarts") == "1", 30,
-          lambda: f"{_job(slurm, job)}\n{read()}")
+    # Slurm holds a requeued job (BeginTime, ~2 min); the test starts it at once, but only
+    # once the first run has ended completely (its batch script, srun, launchers, step
+    # daemons), as it would have long before in those 2 minutes.
+    _wait(lambda: not _run_processes(job), 60, lambda: f"{_run_processes(job)}\n{read()}")
+    time.sleep(2)
 
     def finished() -> bool:
         state = _job(slurm, job)
         if state.get("Reason") == "BeginTime":  # a requeued job waits 2 min: start it now
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
                            env=slurm.env, capture_output=True, timeout=20)
-        # The first run's end can show as FAILED for a moment after the requeue: only a
-        # state reached by the second run counts.
-        return state.get("JobState") in ("COMPLETED", "FAILED") and f"job {job}, run 1," in read()
-    _wait(finished, 60, lambda: f"{_job(slurm, job)}\n{read()}")
+        return state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED") and \
+            f"job {job}, run 1," in read() and "RESULT " in read()
+    _wait(finished, 120, lambda: f"{_job(slurm, job)}\n{read()}\n{slurm.logs()}")
     text = read()
-    assert _job(slurm, job)["JobState"] == "COMPLETED", text
-    assert "[sbatch] SIGUSR1: the time limit is near; requeueing job" in text, text
-    assert f"[sbatch] job {job}, run 1," in text, text
-    for rank in range(2):
-        assert f"rank {rank} done: sum 2" in text, text
+    assert _job(slurm, job)["JobState"] == "COMPLETED", f"{_job(slurm, job)}\n{text}"
+    stopped = sorted((json.loads(line.split("PREEMPTED ", 1)[1]) for line in
+                      text.splitlines() if "PREEMPTED " in line), key=lambda r: r["rank"])
+    assert [r["rank"] for r in stopped] == [0, 1], text
+    step = stopped[0]["step"]
+    assert {r["step"] for r in stopped} == {step} and 20 <= step < 48, text
+    assert f"preempt-{job}.ckpt" in stopped[0]["path"], text
+    # The second run found the job's checkpoint by itself (no trainer.resume) and went on
+    # at the next batch: the step logs of both runs together are the uninterrupted one's.
+    assert f"resumed from" in text and f"batch {step % 16})" in text, text
+    got = {r["rank"]: r for r in (json.loads(line.split("RESULT ", 1)[1])
+                                  for line in text.splitlines() if "RESULT " in line)}
+    for rank in (0, 1):
+        assert lines(rank) == (tmp_path / "whole_log" / f"rank{rank}.log").read_text(
+            ).splitlines(), rank
+        assert got[rank]["steps"] == 48 and got[rank]["weights"] == expected[rank]["weights"]
+    assert got[0]["history"] == expected[0]["history"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["version_0"]
