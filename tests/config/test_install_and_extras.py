@@ -24,7 +24,8 @@ def test_install_script_default_is_what_ci_ran_and_cpu_uses_the_cpu_index():
     commands = [l for l in default.stdout.splitlines() if "pip install" in l]
     assert commands == ["+ python -m pip install -q --upgrade pip",
                         "+ python -m pip install -q torch==2.13.0",
-                        "+ python -m pip install -q -e .[dev,tensorflow,notebook,lightning,accelerate]"]
+                        "+ python -m pip install -q -e "
+                        ".[dev,tensorflow,notebook,lightning,accelerate,ray]"]
     assert "from pip's configured index (default)" in default.stderr
     for cpu in (_install("--cpu"), _install(BPSTRAIN_TORCH="cpu")):
         assert cpu.returncode == 0, cpu.stderr
