@@ -214,7 +214,7 @@ class _BlobCompressor(StatefulCompressor):
             self._sizes[name] = int(flat.shape[0])
             blob = _wire.encode(layout, flat, self._uniform if self.stochastic else None)
             if residual is not None:
-                residual.assign(flat - _wire.decode(layout, blob))
+                _keep_finite(residual, flat - _wire.decode(layout, blob), flat)
             items.append(_wire.Item(blob, name, False, layout.partition_bytes, priority))
             layouts.append(layout)
         outs = _wire.transfer(items + extra)
@@ -356,7 +356,7 @@ class RandomKCompressor(StatefulCompressor):
             idx = self.indices(name, n, _codec.topk_count(n, self.ratio))[:, None]
             values = tf.gather_nd(flat, idx)
             if residual is not None:
-                residual.assign(flat - tf.scatter_nd(idx, values, [n]))
+                _keep_finite(residual, flat - tf.scatter_nd(idx, values, [n]), flat)
             items.append(_wire.Item(values, name, average, 0, priority))
             picks.append((idx, n))
         outs = _wire.transfer(items + extra)
@@ -427,12 +427,19 @@ class PowerSGDCompressor(StatefulCompressor):
         scale = 1.0 if average else float(engine.size())
         results = []
         for (matrix, q, residual), p, new_q in zip(matrices, ps, qs):
-            q.assign(new_q)
+            _keep_finite(q, new_q, new_q)
             approx = tf.matmul(p, new_q, transpose_b=True)
             if residual is not None:
-                residual.assign(tf.reshape(matrix - approx, [-1]))
+                _keep_finite(residual, tf.reshape(matrix - approx, [-1]), matrix)
             results.append(approx * scale)
         return results, outs[len(firsts):]
+
+
+def _keep_finite(variable: tf.Variable, value: tf.Tensor, source: tf.Tensor) -> None:
+    """Assigns ``value`` unless ``source`` holds an inf or NaN: a loss-scaled step that
+    overflowed (skipped by a LossScaleOptimizer) must not poison the state for good."""
+    ok = tf.reduce_all(tf.math.is_finite(source))
+    variable.assign(tf.where(ok, value, variable))
 
 
 def _ratio(kind: str, ratio) -> float:

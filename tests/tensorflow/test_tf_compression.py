@@ -129,6 +129,24 @@ def test_worker_error_feedback_keeps_what_the_blob_dropped(make):
 
 
 @pytest.mark.usefixtures("standalone_engine")
+@pytest.mark.parametrize("make", [lambda: Compression.onebit(), lambda: Compression.topk(0.1),
+                                  lambda: Compression.randomk(0.1),
+                                  lambda: Compression.powersgd(2)],
+                         ids=["onebit", "topk", "randomk", "powersgd"])
+def test_an_overflowed_step_leaves_the_state_as_it_was(make):
+    # A loss-scaled fp16 step that overflowed is skipped; its inf must not stay.
+    compressor, x = make(), tf.constant(_data(400).reshape(20, 20))
+    compressor.reduce([x], ["g"])
+    before = compressor.get_state()
+    compressor.reduce([tf.tensor_scatter_nd_update(x, [[0, 0]], [np.inf])], ["g"])
+    after = compressor.get_state()
+    for key in before:
+        if not key.startswith("step/"):
+            np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+    assert np.isfinite(compressor.reduce([x], ["g"])[0].numpy()).all()
+
+
+@pytest.mark.usefixtures("standalone_engine")
 def test_randomk_and_powersgd_follow_the_shared_seeds():
     randomk = Compression.randomk(0.1, seed=7)
     x = tf.constant(_data(200))
