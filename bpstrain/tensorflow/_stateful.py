@@ -207,21 +207,37 @@ class _BlobCompressor(StatefulCompressor):
         raise NotImplementedError  # stochastic codecs only
 
     def _reduce(self, tensors, names, average, priorities, extra):
-        items, layouts = [], []
+        items, layouts, finite = [], [], []
         for x, name, priority in zip(tensors, names, priorities):
             flat, residual = self._with_residual(name, tf.reshape(tf.cast(x, tf.float32), [-1]))
             layout = self.layout(int(flat.shape[0]))
             self._sizes[name] = int(flat.shape[0])
+            finite.append(tf.reduce_all(tf.math.is_finite(flat)))
+            if self.server_error_feedback:
+                # An inf/NaN blob would leave the servers' residual NaN for good (they add
+                # it to every later sum): send zeros, and say so in the overflow flag.
+                flat = tf.where(finite[-1], flat, tf.zeros_like(flat))
             blob = _wire.encode(layout, flat, self._uniform if self.stochastic else None)
             if residual is not None:
-                _keep_finite(residual, flat - _wire.decode(layout, blob), flat)
+                _keep_finite(residual, flat - _wire.decode(layout, blob), finite[-1])
             items.append(_wire.Item(blob, name, False, layout.partition_bytes, priority))
             layouts.append(layout)
-        outs = _wire.transfer(items + extra)
+        flag = []
+        if items and self.server_error_feedback:
+            # One float per group: how many ranks overflowed, so that every rank returns a
+            # non-finite result for the step (a LossScaleOptimizer then skips it on all).
+            bad = tf.cast(tf.logical_not(tf.reduce_all(tf.stack(finite))), tf.float32)
+            flag = [_wire.Item(tf.reshape(bad, [1]), f"{names[0]}.overflow", False, 0,
+                               max(priorities))]
+        outs = _wire.transfer(items + flag + extra)
         size = float(engine.size())
         results = [_wire.decode(layout, out) / (size if average else 1.0)
                    for layout, out in zip(layouts, outs)]
-        return results, outs[len(items):]
+        if flag:
+            overflow = outs[len(items)][0] > 0
+            results = [tf.where(overflow, tf.fill(tf.shape(r), np.float32(np.nan)), r)
+                       for r in results]
+        return results, outs[len(items) + len(flag):]
 
     def _roundtrip(self, flat, shape):
         layout = self.layout(int(flat.shape[0]))
@@ -436,9 +452,10 @@ class PowerSGDCompressor(StatefulCompressor):
 
 
 def _keep_finite(variable: tf.Variable, value: tf.Tensor, source: tf.Tensor) -> None:
-    """Assigns ``value`` unless ``source`` holds an inf or NaN: a loss-scaled step that
-    overflowed (skipped by a LossScaleOptimizer) must not poison the state for good."""
-    ok = tf.reduce_all(tf.math.is_finite(source))
+    """Assigns ``value`` unless ``source`` holds an inf or NaN (or is a False flag): a
+    loss-scaled step that overflowed (skipped by a LossScaleOptimizer) must not poison
+    the state for good."""
+    ok = source if source.dtype == tf.bool else tf.reduce_all(tf.math.is_finite(source))
     variable.assign(tf.where(ok, value, variable))
 
 

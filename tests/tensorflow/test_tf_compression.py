@@ -260,7 +260,7 @@ def test_push_pull_and_the_optimizers_take_every_kind():
 
 # -- the 2- and 3-worker jobs -------------------------------------------------------------
 
-CHECKS = ["onebit", "onebit_unscaled", "topk", "dithering", "randomk", "powersgd",
+CHECKS = ["onebit", "onebit_unscaled", "topk", "dithering", "overflow", "randomk", "powersgd",
           "graph_mode", "server_state", "keras_onebit_fit"]
 _jobs = {}
 

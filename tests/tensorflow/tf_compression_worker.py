@@ -77,6 +77,27 @@ def blob_check(make, label, graph=False):
     return check
 
 
+def check_overflow(r, n):
+    """A step where rank 0's gradient holds inf (an fp16 overflow): every rank gets NaN
+    (so a LossScaleOptimizer skips it everywhere), rank 0 sent zeros, and the next steps
+    are the servers' rule again (their residual was not poisoned)."""
+    compressor, residuals = Compression.onebit(chunk=700), {}
+    for step in range(3):
+        x = data(r, step)
+        if step == 1 and r == 0:
+            x[0, 0] = np.inf
+        with Recorder() as rec:
+            out = compressor.reduce([tf.constant(x)], ["overflow"])[0].numpy()
+        pushes = every_ranks(rec.sent[0], f"overflow.sent.{step}")
+        answer = _codec.server_round(pushes, residuals)
+        if step == 1:
+            assert np.isnan(out).all(), out
+            assert not _codec.decode_all(pushes[0]).any()  # rank 0 sent zeros
+        else:
+            expect = _codec.decode_all(answer).reshape(SHAPE) / np.float32(n)
+            np.testing.assert_array_equal(out, expect, err_msg=f"step {step}")
+
+
 def check_randomk(r, n):
     compressor = Compression.randomk(0.1, seed=3)
     size, k = 2000, _codec.topk_count(2000, 0.1)
@@ -162,6 +183,7 @@ if __name__ == "__main__":
         ("onebit_unscaled", blob_check(lambda: Compression.onebit(False, chunk=700), "onebit_u")),
         ("topk", blob_check(lambda: Compression.topk(0.05, chunk=700), "topk")),
         ("dithering", blob_check(lambda: Compression.dithering(8, chunk=700), "dithering")),
+        ("overflow", check_overflow),
         ("randomk", check_randomk),
         ("powersgd", check_powersgd),
         ("graph_mode", blob_check(lambda: Compression.topk(0.05, chunk=700), "graph", True)),
