@@ -55,6 +55,7 @@ def test_two_workers_train_with_topk_and_checkpoints_carry_every_ranks_residuals
     assert probe.at_start == pytest.approx(totals[0], rel=1e-6)
 
 
+@pytest.mark.timeout(30)
 def test_a_bad_compression_key_fails_before_any_worker_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"comm.compression' must be a compression spec.*"
                                           r"Received: comm.compression='topk:2'"):
