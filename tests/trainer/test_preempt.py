@@ -46,7 +46,12 @@ def _lines(log_dir, rank):
 
 
 @pytest.mark.timeout(300)
-def test_usr1_checkpoints_mid_epoch_and_the_resumed_run_loses_and_repeats_no_step(tmp_path):
+@pytest.mark.parametrize("compression", ["none", "onebit"])
+def test_usr1_checkpoints_mid_epoch_and_the_resumed_run_loses_and_repeats_no_step(
+        tmp_path, monkeypatch, compression):
+    # onebit: worker and server error feedback, which the checkpoint must carry per rank.
+    monkeypatch.setenv("BPSTRAIN_COMPRESSION", compression)
+    monkeypatch.setenv("BPSTRAIN_COMPRESSION_MIN_SIZE", "0")
     whole = _finish(_launch(tmp_path / "whole", tmp_path / "whole_log"))
     expected = _records(whole, "RESULT")
     assert sorted(expected) == [0, 1] and expected[0]["steps"] == 3 * 16
@@ -67,6 +72,12 @@ def test_usr1_checkpoints_mid_epoch_and_the_resumed_run_loses_and_repeats_no_ste
     assert stopped[1]["step"] == step and 20 <= step < 48, out
     ckpt = Path(stopped[0]["path"])
     assert ckpt.name == "preempt-local.ckpt" and (ckpt.parent / "last.ckpt").is_file()
+    import torch
+
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    assert saved["position"]["batch"] == step % 16 and len(saved["position"]["ranks"]) == 2
+    residuals = saved.get("compression_states")
+    assert (residuals is not None and len(residuals) == 2) == (compression != "none")
     assert all(len(_lines(tmp_path / "log", r)) == step for r in (0, 1))  # passes = 1
 
     resumed = _finish(_launch(tmp_path / "run", tmp_path / "log", "auto"))
