@@ -204,7 +204,10 @@ def server_round(blobs: Sequence[bytes], residuals: Optional[Dict[int, np.ndarra
         blob = encode(codec, total, scaled=bool(flags & FLAG_SCALED), levels=param, k=k,
                       server_ef=bool(flags & FLAG_SERVER_EF))
         if flags & FLAG_SERVER_EF:
-            residuals[i] = total - decode(blob)[0]
+            # A non-finite sum reaches the workers; the residual never keeps it.
+            with np.errstate(invalid="ignore"):
+                r = total - decode(blob)[0]
+            residuals[i] = np.where(np.isfinite(r), r, np.float32(0))
         out.append(blob)
         off += blob_bytes(codec, n, k)
         i += 1

@@ -16,8 +16,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from bpstrain import _codec
-from bpstrain._compression import CompressionSpec
+from bpstrain import _codec, _core
+from bpstrain._compression import CompressionSpec, blob_layout
 
 _BIT_WEIGHTS: Dict[torch.device, torch.Tensor] = {}
 _HEADERS: Dict[Tuple, torch.Tensor] = {}
@@ -159,6 +159,33 @@ def encode(spec: CompressionSpec, x: torch.Tensor, uniforms: Optional[torch.Tens
     if len(blobs) == 1:
         return blobs[0], sent[0]
     return torch.cat(blobs), torch.cat(sent)
+
+
+def encode_host(spec: CompressionSpec, x: torch.Tensor, seed: int = 0, residual: bool = True
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """CPU tensors: the same bytes from the servers' C++ codec (chunks on several cores,
+    10-30x the elementwise torch ops), and the residual ``x`` minus what they decode to.
+
+    ``seed`` != 0 rounds dithering stochastically from the codec's own per-chunk streams
+    (so its bytes equal :func:`encode` only when rounding to nearest).
+    """
+    x = x.detach().contiguous()
+    flags = _flags(spec) | (_codec.FLAG_SCALED if spec.codec == "onebit" and spec.scaled else 0)
+    data = torch.empty(blob_layout(spec, x.numel())[0], dtype=torch.uint8)
+    res = torch.empty_like(x) if residual else None
+    _core.codec_encode(x.numpy(), data.numpy(), None if res is None else res.numpy(),
+                       spec.wire_codec, flags, spec.levels if spec.codec == "dithering" else 0,
+                       spec.chunk, spec.ratio if spec.codec == "topk" else 0.0, seed)
+    return data, res
+
+
+def check_answer(data: torch.Tensor, numel: int, decode: bool = True) -> Optional[torch.Tensor]:
+    """Checks a server's answer (host bytes, as it arrived) before anything trusts its
+    indices or lengths, and decodes it into fp32 on the host unless ``decode`` is False
+    (a CUDA tensor's answer is decoded on its GPU). Raises PeerError if malformed."""
+    out = torch.empty(numel, dtype=torch.float32) if decode else None
+    _core.codec_decode(data.numpy(), None if out is None else out.numpy())
+    return out
 
 
 def decode(spec: CompressionSpec, data: torch.Tensor, numel: int) -> torch.Tensor:

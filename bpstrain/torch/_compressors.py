@@ -221,16 +221,25 @@ class ByteCodecCompressor(GradientCompressor):
         clock = _Clock(x.device, timed)
         with clock:
             x = self._add_residual(key, x)
-            u = None
-            if spec.codec == "dithering" and spec.stochastic:
-                # Independent per rank and step; reproducible (a resumed run draws alike).
-                gen = torch.Generator(device=x.device)
-                gen.manual_seed(derive_seed(spec.seed, key, st["step"], engine.rank()))
-                u = torch.rand(x.numel(), generator=gen, device=x.device)
-            data, sent = _codecs.encode(spec, x, u)
-            if spec.ef:
-                st["residual"] = x - sent
-            host = data.cpu()  # the one staging copy of a CUDA tensor: the bytes alone
+            # Stochastic dithering draws independently per rank and step, reproducibly
+            # (a resumed run draws alike).
+            stochastic = spec.codec == "dithering" and spec.stochastic
+            seed = derive_seed(spec.seed, key, st["step"], engine.rank()) if stochastic else 0
+            if x.device.type == "cpu":
+                host, residual = _codecs.encode_host(spec, x, seed % (2**63) + 1 if stochastic else 0, spec.ef)
+                if spec.ef:
+                    st["residual"] = residual
+            else:
+                u = None
+                if stochastic:
+                    gen = torch.Generator(device=x.device)
+                    gen.manual_seed(seed)
+                    u = torch.rand(x.numel(), generator=gen, device=x.device)
+                data, sent = _codecs.encode(spec, x, u)
+                if spec.ef:  # as the servers and the host codec: never keep an overflow
+                    r = x - sent
+                    st["residual"] = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
+                host = data.cpu()  # the one staging copy of a CUDA tensor: the bytes alone
         st["step"] += 1
         src = host.numpy()
         dst = np.empty_like(src)
@@ -244,7 +253,12 @@ class ByteCodecCompressor(GradientCompressor):
         count = engine.size()
 
         def finish(answer):
-            out = _codecs.decode(spec, torch.from_numpy(answer).to(tensor.device), x.numel())
+            # Checked on the host before its indices and lengths are trusted (raises
+            # PeerError); decoded there for a CPU tensor, on the GPU for a CUDA one.
+            on_host = tensor.device.type == "cpu"
+            out = _codecs.check_answer(torch.from_numpy(answer), x.numel(), decode=on_host)
+            if not on_host:
+                out = _codecs.decode(spec, torch.from_numpy(answer).to(tensor.device), x.numel())
             if average:  # by a device tensor: CUDA divides by a host scalar inexactly
                 out.div_(torch.full((), count, dtype=torch.float32, device=out.device))
             return _restore(out, tensor)

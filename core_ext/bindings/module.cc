@@ -13,6 +13,7 @@
 #include "../src/affinity.h"
 #include "../src/auth.h"
 #include "../src/body_mac.h"
+#include "../src/codec.h"
 #include "../src/common.h"
 #include "../src/reduce.h"
 #include "../src/scheduler.h"
@@ -186,6 +187,72 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("acc"), py::arg("src"), py::arg("dtype"),
       "acc (float32) += src (float16/bfloat16): what a server does per push of a half tensor.");
+
+  // The workers' side of compression for CPU tensors: the same C++ codec as the servers',
+  // far faster than elementwise torch ops, chunks on several cores.
+  m.def(
+      "codec_encode",
+      [](py::buffer x, py::buffer out, py::object residual, int codec, int flags, int param, uint64_t chunk,
+         double ratio, uint64_t seed) {
+        BufferView xv = View(x, false, "x"), ov = View(out, true, "out");
+        codec::TensorLayout t;
+        t.codec = static_cast<uint8_t>(codec);
+        t.flags = static_cast<uint8_t>(flags);
+        t.param = static_cast<uint16_t>(param);
+        t.chunk = chunk;
+        t.ratio = ratio;
+        const size_t numel = xv.nbytes / sizeof(float);
+        if (codec < codec::kOneBit || codec > codec::kDithering || chunk == 0 || chunk > UINT32_MAX ||
+            (flags & ~(codec::kFlagScaled | codec::kFlagServerEF)) ||
+            (codec == codec::kDithering ? (param < 1 || param > 127) : param != 0) ||
+            (codec == codec::kTopK && !(ratio > 0 && ratio <= 1)))
+          throw Error(Error::kConfig, "codec_encode: bad codec, flags, parameter, chunk or ratio");
+        if (ov.nbytes != codec::EncodedBytes(t, numel))
+          throw Error(Error::kConfig, "codec_encode: out must have " + std::to_string(codec::EncodedBytes(t, numel)) +
+                                          " bytes. Received: " + std::to_string(ov.nbytes));
+        float* res = nullptr;
+        if (!residual.is_none()) {
+          BufferView rv = View(residual.cast<py::buffer>(), true, "residual");
+          if (rv.nbytes != xv.nbytes) throw Error(Error::kConfig, "codec_encode: residual must be x's size");
+          res = static_cast<float*>(rv.ptr);
+        }
+        py::gil_scoped_release nogil;
+        codec::EncodeTensor(t, static_cast<const float*>(xv.ptr), numel, static_cast<uint8_t*>(ov.ptr), res, seed);
+      },
+      py::arg("x"), py::arg("out"), py::arg("residual"), py::arg("codec"), py::arg("flags"), py::arg("param"),
+      py::arg("chunk"), py::arg("ratio"), py::arg("seed") = 0,
+      "Encodes float32 x as compressed blobs (bpstrain/_codec.py's layout) into out; residual "
+      "(or None) receives x minus what the blobs decode to; seed != 0: stochastic dithering.");
+  m.def(
+      "codec_decode",
+      [](py::buffer data, py::object out_obj) {
+        BufferView dv = View(data, false, "data");
+        const bool check_only = out_obj.is_none();  // a GPU tensor's answer: checked here, decoded there
+        BufferView ov = check_only ? BufferView{nullptr, 0} : View(out_obj.cast<py::buffer>(), true, "out");
+        const auto* bytes = static_cast<const uint8_t*>(dv.ptr);
+        std::vector<codec::BlobHeader> blobs;
+        std::string error;
+        {
+          py::gil_scoped_release nogil;
+          error = codec::Parse(bytes, dv.nbytes, &blobs);
+          size_t total = 0;
+          for (const auto& h : blobs) total += h.n;
+          if (error.empty() && !check_only && total * sizeof(float) != ov.nbytes)
+            error = "the blobs hold " + std::to_string(total) + " elements, the output " +
+                    std::to_string(ov.nbytes / sizeof(float));
+          if (error.empty() && !check_only) {
+            float* o = static_cast<float*>(ov.ptr);
+            for (const auto& h : blobs) {
+              codec::DecodeInto(h, bytes, o, true);
+              o += h.n;
+            }
+          }
+        }
+        if (!error.empty()) throw Error(Error::kPeer, "a compressed answer failed its checks: " + error);
+      },
+      py::arg("data"), py::arg("out"),
+      "Checks compressed blobs (a server's answer) and decodes them into float32 out (None: only "
+      "check); raises PeerError naming what is wrong.");
 
   // The servers' compressed-round code on its own (no network): tests compare it with
   // bpstrain/_codec.py's reference, the compression benchmark times it.

@@ -1,9 +1,11 @@
 #include "codec.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <thread>
 
 namespace bps {
 namespace codec {
@@ -21,6 +23,14 @@ T Load(const uint8_t* p) {
 // Magnitudes for top-k: NaN sorts below everything, as in the numpy reference (argsort
 // puts NaN last), and keeps the comparator a strict weak order.
 float Magnitude(float v) { return std::isnan(v) ? -1.0f : std::fabs(v); }
+// splitmix64: a tiny, fast, well-mixed stream; [0, 1) with 53 random bits.
+double Uniform(uint64_t* state) {
+  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<double>(z >> 11) * (1.0 / 9007199254740992.0);
+}
 }  // namespace
 
 size_t BlobBytes(uint8_t codec, uint32_t n, uint32_t k) {
@@ -121,7 +131,7 @@ void DecodeInto(const BlobHeader& h, const uint8_t* data, float* acc, bool assig
   assign ? DecodeChunk<true>(h, data, acc) : DecodeChunk<false>(h, data, acc);
 }
 
-void Encode(const BlobHeader& like, const float* x, uint8_t* out) {
+void Encode(const BlobHeader& like, const float* x, uint8_t* out, uint64_t* rng) {
   const uint32_t n = like.n;
   const size_t size = BlobBytes(like.codec, n, like.k);
   std::memset(out, 0, size);
@@ -173,7 +183,8 @@ void Encode(const BlobHeader& like, const float* x, uint8_t* out) {
     if (scale > 0 && std::isfinite(scale)) {
       const double levels = like.param;
       for (uint32_t j = 0; j < n; ++j) {
-        double q = std::floor(std::fabs(static_cast<double>(x[j])) / static_cast<double>(scale) * levels + 0.5);
+        const double u = rng ? Uniform(rng) : 0.5;
+        double q = std::floor(std::fabs(static_cast<double>(x[j])) / static_cast<double>(scale) * levels + u);
         q = std::min(q, levels);
         payload[j] = static_cast<uint8_t>(static_cast<int8_t>(x[j] < 0 ? -q : q));
       }
@@ -185,6 +196,75 @@ void Encode(const BlobHeader& like, const float* x, uint8_t* out) {
   std::memcpy(out + 4, &n, 4);
   std::memcpy(out + 8, &like.k, 4);
   std::memcpy(out + 12, &scale, 4);
+}
+
+namespace {
+uint32_t ChunkEntries(const TensorLayout& t, uint32_t n) {
+  if (t.codec != kTopK) return n;
+  // _codec.topk_count: min(n, max(1, ceil(ratio * n))), in double as Python computes it
+  const double k = std::ceil(t.ratio * static_cast<double>(n));
+  return static_cast<uint32_t>(std::min<double>(n, std::max(1.0, k)));
+}
+}  // namespace
+
+size_t EncodedBytes(const TensorLayout& t, size_t numel) {
+  if (t.chunk == 0) return 0;
+  size_t total = 0;
+  for (size_t first = 0; first < numel; first += t.chunk) {
+    const uint32_t n = static_cast<uint32_t>(std::min<size_t>(t.chunk, numel - first));
+    total += BlobBytes(t.codec, n, ChunkEntries(t, n));
+  }
+  return total;
+}
+
+void EncodeTensor(const TensorLayout& t, const float* x, size_t numel, uint8_t* out, float* residual,
+                  uint64_t seed) {
+  struct Job {
+    BlobHeader h;
+    size_t first;
+  };
+  std::vector<Job> jobs;
+  size_t off = 0;
+  for (size_t first = 0; first < numel; first += t.chunk) {
+    Job j;
+    j.h.codec = t.codec;
+    j.h.flags = t.flags;
+    j.h.param = t.param;
+    j.h.n = static_cast<uint32_t>(std::min<size_t>(t.chunk, numel - first));
+    j.h.k = ChunkEntries(t, j.h.n);
+    j.h.offset = off;
+    j.first = first;
+    off += BlobBytes(t.codec, j.h.n, j.h.k);
+    jobs.push_back(j);
+  }
+  auto run = [&](size_t i) {
+    const Job& j = jobs[i];
+    uint64_t state = seed ^ (0xD1B54A32D192ED03ull * (i + 1));
+    Encode(j.h, x + j.first, out + j.h.offset, seed ? &state : nullptr);
+    if (residual) {
+      float* r = residual + j.first;
+      DecodeInto(j.h, out, r, true);
+      for (uint32_t e = 0; e < j.h.n; ++e) {
+        r[e] = x[j.first + e] - r[e];
+        if (!std::isfinite(r[e])) r[e] = 0.0f;  // as the servers: never keep an overflow
+      }
+    }
+  };
+  // Chunks are independent: a large gradient (VGG-16's fc6 is 100 chunks) encodes on
+  // several cores while the backward pass goes on with the rest.
+  const size_t threads = std::min<size_t>(jobs.size(), std::max(1u, std::thread::hardware_concurrency()));
+  if (threads <= 1) {
+    for (size_t i = 0; i < jobs.size(); ++i) run(i);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> pool;
+  for (size_t w = 0; w + 1 < threads; ++w)
+    pool.emplace_back([&] {
+      for (size_t i; (i = next.fetch_add(1)) < jobs.size();) run(i);
+    });
+  for (size_t i; (i = next.fetch_add(1)) < jobs.size();) run(i);
+  for (auto& th : pool) th.join();
 }
 
 }  // namespace codec

@@ -51,9 +51,26 @@ void DecodeInto(const BlobHeader& h, const uint8_t* data, float* acc, bool assig
 // Residual floats one state piece of a blob carries (its payload, whole floats).
 size_t StateFloatsPerPiece(const BlobHeader& h);
 
-// Encodes the n floats of `x` as a blob shaped like `like` (codec, flags, param, n, k),
-// rounding dithering to the nearest level; writes BlobBytes(...) bytes to `out`.
-void Encode(const BlobHeader& like, const float* x, uint8_t* out);
+// Encodes the n floats of `x` as a blob shaped like `like` (codec, flags, param, n, k);
+// writes BlobBytes(...) bytes to `out`. Dithering rounds to the nearest level, or
+// stochastically with uniforms from `*rng` (splitmix64 state) when it is not null.
+void Encode(const BlobHeader& like, const float* x, uint8_t* out, uint64_t* rng = nullptr);
+
+// A whole tensor on a worker: blobs of `chunk` elements (the last shorter), top-k keeping
+// ceil(ratio * n) of each, as bpstrain/_codec.py lays them out.
+struct TensorLayout {
+  uint8_t codec = 0, flags = 0;
+  uint16_t param = 0;
+  uint64_t chunk = 0;
+  double ratio = 0;
+};
+// Bytes of the encoded tensor (0 for an unknown codec).
+size_t EncodedBytes(const TensorLayout& t, size_t numel);
+// Encodes `numel` floats into `out` (EncodedBytes of them), chunks in parallel; with
+// `residual` also writes x - decode(blob), the worker's error feedback. seed != 0 makes
+// dithering stochastic, each chunk drawing from its own stream (seed, chunk index).
+void EncodeTensor(const TensorLayout& t, const float* x, size_t numel, uint8_t* out, float* residual,
+                  uint64_t seed);
 
 }  // namespace codec
 }  // namespace bps

@@ -1,6 +1,7 @@
 #include "server_handler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "codec.h"
@@ -111,7 +112,12 @@ std::string SumHandler::OnCompressedRoundComplete(Round& r) {
       // residual = what the sum (with last round's residual) had minus what was sent
       float* res = residual->data() + first;
       codec::DecodeInto(h, out, res, true);
-      for (uint32_t j = 0; j < h.n; ++j) res[j] = acc[j] - res[j];
+      // A non-finite sum (an fp16 overflow) reaches the workers in the answer, so a loss
+      // scaler sees it, but the residual never keeps it: it would poison every later round.
+      for (uint32_t j = 0; j < h.n; ++j) {
+        res[j] = acc[j] - res[j];
+        if (!std::isfinite(res[j])) res[j] = 0.0f;
+      }
     }
     first += h.n;
   }

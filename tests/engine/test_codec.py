@@ -188,3 +188,15 @@ def test_server_residuals_survive_a_checkpoint_and_a_new_job(tmp_path):
                            env={**os.environ, "PHASE": phase, "STATE_FILE": str(state)})
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.count("STATE_OK") == 2, r.stdout + r.stderr
+
+
+def test_an_overflow_reaches_the_workers_but_never_stays_in_the_residual():
+    server, residuals = CompressedRounds(), {}
+    inf = codec.encode(codec.ONEBIT, np.float32([np.inf, 1, -1, 2]))
+    ok = codec.encode(codec.ONEBIT, np.float32([1, 1, -1, 2]))
+    first = codec.decode_all(server.round(1, 0, [inf, ok]))
+    assert not np.all(np.isfinite(first))  # a loss scaler sees the overflow
+    assert codec.server_round([inf, ok], residuals) == server.round(2, 0, [inf, ok])
+    assert np.all(np.isfinite(residuals[0]))
+    after = codec.decode_all(server.round(1, 1, [ok, ok]))
+    assert np.all(np.isfinite(after))  # the next round is clean

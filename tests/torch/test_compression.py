@@ -118,6 +118,50 @@ def test_torch_encoding_is_the_reference_byte_for_byte(text, device):
         assert np.array_equal(_codecs.decode(spec, data, n).cpu().numpy(), want), (text, n)
 
 
+@pytest.mark.parametrize("text", ["onebit", "onebit:scaled=false", "topk:0.05", "topk:1.0",
+                                  "dithering:16:stochastic=false", "onebit:chunk=100",
+                                  "topk:0.1:chunk=64", "dithering:5:chunk=50:server_error_feedback=false"])
+def test_cpu_tensors_use_the_servers_codec_with_the_same_bytes(text):
+    # CPU gradients go through the C++ codec (encode_host): byte for byte the torch
+    # encoding and the reference, and the residual is x minus what was sent.
+    spec = parse_compression(text)
+    rng = np.random.default_rng(3)
+    for n in (1, 13, 250, 1000):
+        x = rng.standard_normal(n).astype(np.float32)
+        x[::5] = x[0]
+        data, residual = _codecs.encode_host(spec, torch.from_numpy(x))
+        assert data.numpy().tobytes() == np_encode(spec, x), (text, n)
+        sent = _codec.decode_all(data.numpy().tobytes())
+        assert np.array_equal(residual.numpy(), x - sent)
+        assert np.array_equal(_codecs.check_answer(data, n).numpy(), sent)
+
+
+def test_stochastic_dithering_on_the_host_is_unbiased_and_reproducible():
+    spec = parse_compression("dithering:2")
+    x = torch.full((200_000,), 0.3)
+    x[0] = 1.0  # scale 1: 0.3 lies between levels 0 and 0.5
+    a, _ = _codecs.encode_host(spec, x, seed=7)
+    b, _ = _codecs.encode_host(spec, x, seed=7)
+    assert torch.equal(a, b)
+    mean = _codec.decode_all(a.numpy().tobytes())[1:].mean()
+    assert abs(mean - 0.3) < 0.005  # rounding to nearest would give 0.5
+
+
+@pytest.mark.parametrize("corrupt,words", [
+    (lambda b: b[:-3], "bytes announced"),
+    (lambda b: b[:4] + b"\xff\xff\xff\x7f" + b[8:], "the blobs hold 2147483647 elements"),  # n claims 2^31-1
+    (lambda b: bytes([9]) + b[1:], "unknown codec 9"),
+])
+def test_a_malformed_answer_is_refused_before_it_is_decoded(corrupt, words):
+    from bpstrain.errors import PeerError
+
+    good = np_encode(parse_compression("topk:0.1"), np.arange(100, dtype=np.float32))
+    with pytest.raises(PeerError, match=words):
+        _codecs.check_answer(torch.frombuffer(bytearray(corrupt(good)), dtype=torch.uint8), 100)
+    with pytest.raises(PeerError, match="the blobs hold 100 elements, the output 99"):
+        _codecs.check_answer(torch.frombuffer(bytearray(good), dtype=torch.uint8), 99)
+
+
 @pytest.mark.parametrize("device", _devices())
 def test_stochastic_dithering_and_server_answers_decode_alike(device):
     rng = np.random.default_rng(2)
