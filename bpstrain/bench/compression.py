@@ -373,6 +373,12 @@ def _torch_codec(codec: str, plan: CompressionPlan, x):
     if codec in ("onebit", "topk", "dithering"):
         from bpstrain.torch import _codecs
 
+        if x.device.type == "cpu":  # what the compressors run for CPU tensors: the C++ codec
+            def host_codec():
+                data, residual = _codecs.encode_host(spec, x, seed=1 if codec == "dithering" else 0)
+                return _codecs.check_answer(data, x.numel()), residual
+            return host_codec
+
         def byte_codec():
             u = torch.rand(x.numel(), device=x.device) if codec == "dithering" else None
             data, sent = _codecs.encode(spec, x, u)
