@@ -234,10 +234,12 @@ def save_and_stop(trainer, watch: Watch, epoch: int, next_batch: int, sampler: A
         write_checkpoint(state, folder / LAST)
     trainer.comm.barrier()  # every rank's part is on disk before anyone requeues
     requeued = False
+    # Before the requeue: Slurm ends every process of the job as soon as it takes it.
+    trainer.print(f"SIGUSR1: saved {path} at epoch {epoch}, batch {next_batch} "
+                  f"(step {trainer.global_step})" + (
+                      f"; requeueing job {job_key()}" if watch.how == "requeue" else ""))
     if watch.how == "requeue" and trainer.is_global_zero:
         requeued = requeue()
-    trainer.print(f"SIGUSR1: saved {path} at epoch {epoch}, batch {next_batch} "
-                  f"(step {trainer.global_step})" + ("; job requeued" if requeued else ""))
     raise Preempted(path, requeued, trainer.global_step)
 
 

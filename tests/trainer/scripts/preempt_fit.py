@@ -51,8 +51,11 @@ class EpochTag(Callback):
 
 if __name__ == "__main__":
     out_dir, log_dir = sys.argv[1], Path(sys.argv[2])
-    rank = int(os.environ.get("DMLC_WORKER_ID", "0")) * int(
-        os.environ.get("BYTEPS_LOCAL_SIZE", "1")) + int(os.environ.get("BYTEPS_LOCAL_RANK", "0"))
+    if "DMLC_WORKER_ID" not in os.environ and "SLURM_PROCID" in os.environ:
+        rank = int(os.environ["SLURM_PROCID"])  # a bare srun: the Trainer is the launcher
+    else:
+        rank = int(os.environ.get("DMLC_WORKER_ID", "0")) * int(os.environ.get(
+            "BYTEPS_LOCAL_SIZE", "1")) + int(os.environ.get("BYTEPS_LOCAL_RANK", "0"))
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
     x, y = blobs(256)
