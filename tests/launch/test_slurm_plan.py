@@ -125,3 +125,42 @@ def test_trainer_takes_a_step_of_several_tasks_for_slurm_and_a_launched_worker_f
     assert launch_mode(auto, {**step, "DMLC_ROLE": "worker"}) == "rank"  # under --slurm
     assert launch_mode(load_config({"cluster.launcher": "slurm"}), {}) == "slurm"
     assert launch_mode(load_config({"cluster.launcher": "local"}), step) == "in_process"
+
+
+@pytest.mark.timeout(90)
+def test_the_launcher_passes_usr1_on_to_its_workers_and_its_roles_ignore_it(tmp_path):
+    """One task of a fake one-node step starts scheduler, server and 2 workers; SIGUSR1 to
+    the launcher alone (as a site whose process tracking signals only the task's own
+    process group would deliver ``--signal=USR1@90``) reaches both workers, and no role
+    dies of it."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "BPSTRAIN_RENDEZVOUS_TIMEOUT": "60",
+           **_env("localhost", 0, nodes="localhost", tasks="1", SLURM_JOB_ID=str(
+               1000 + os.getpid() % 5000))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bpstrain.launch", "--slurm", "--local-size", "2", "--",
+         sys.executable, str(root / "tests" / "launch" / "usr1_worker.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    lines = []
+    try:
+        deadline = time.monotonic() + 60
+        while sum("ready" in line for line in lines) < 2:
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)
+            lines.append(line)
+        os.kill(proc.pid, signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(lines) + out
+    assert proc.returncode == 0, text
+    for rank in (0, 1):
+        assert f"rank {rank} got USR1" in text and f"rank {rank} sum 2" in text, text
