@@ -161,18 +161,21 @@ def encode(spec: CompressionSpec, x: torch.Tensor, uniforms: Optional[torch.Tens
     return torch.cat(blobs), torch.cat(sent)
 
 
-def encode_host(spec: CompressionSpec, x: torch.Tensor, seed: int = 0, residual: bool = True
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def encode_host(spec: CompressionSpec, x: torch.Tensor, seed: int = 0, residual: bool = True,
+                into: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """CPU tensors: the same bytes from the servers' C++ codec (chunks on several cores,
-    10-30x the elementwise torch ops), and the residual ``x`` minus what they decode to.
+    10-30x the elementwise torch ops), and the residual ``x`` minus what they decode to
+    (written into ``into`` when given, which may be ``x`` itself: no new buffer a step).
 
     ``seed`` != 0 rounds dithering stochastically from the codec's own per-chunk streams
     (so its bytes equal :func:`encode` only when rounding to nearest).
     """
-    x = x.detach().contiguous()
+    x = x.detach()
+    if not x.is_contiguous():
+        x = x.contiguous()
     flags = _flags(spec) | (_codec.FLAG_SCALED if spec.codec == "onebit" and spec.scaled else 0)
     data = torch.empty(blob_layout(spec, x.numel())[0], dtype=torch.uint8)
-    res = torch.empty_like(x) if residual else None
+    res = into if into is not None else (torch.empty_like(x) if residual else None)
     _core.codec_encode(x.numpy(), data.numpy(), None if res is None else res.numpy(),
                        spec.wire_codec, flags, spec.levels if spec.codec == "dithering" else 0,
                        spec.chunk, spec.ratio if spec.codec == "topk" else 0.0, seed)

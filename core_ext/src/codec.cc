@@ -242,11 +242,16 @@ void EncodeTensor(const TensorLayout& t, const float* x, size_t numel, uint8_t* 
     uint64_t state = seed ^ (0xD1B54A32D192ED03ull * (i + 1));
     Encode(j.h, x + j.first, out + j.h.offset, seed ? &state : nullptr);
     if (residual) {
+      // `residual` may be `x` itself (the worker keeps one buffer and adds each gradient
+      // into it): decode into scratch, then subtract.
+      thread_local std::vector<float> sent;
+      sent.resize(j.h.n);
+      DecodeInto(j.h, out, sent.data(), true);
       float* r = residual + j.first;
-      DecodeInto(j.h, out, r, true);
+      const float* xs = x + j.first;
       for (uint32_t e = 0; e < j.h.n; ++e) {
-        r[e] = x[j.first + e] - r[e];
-        if (!std::isfinite(r[e])) r[e] = 0.0f;  // as the servers: never keep an overflow
+        const float v = xs[e] - sent[e];
+        r[e] = std::isfinite(v) ? v : 0.0f;  // as the servers: never keep an overflow
       }
     }
   };

@@ -67,7 +67,8 @@ struct TensorLayout {
 // Bytes of the encoded tensor (0 for an unknown codec).
 size_t EncodedBytes(const TensorLayout& t, size_t numel);
 // Encodes `numel` floats into `out` (EncodedBytes of them), chunks in parallel; with
-// `residual` also writes x - decode(blob), the worker's error feedback. seed != 0 makes
+// `residual` (which may be `x` itself) also writes x - decode(blob), the worker's error
+// feedback. seed != 0 makes
 // dithering stochastic, each chunk drawing from its own stream (seed, chunk index).
 void EncodeTensor(const TensorLayout& t, const float* x, size_t numel, uint8_t* out, float* residual,
                   uint64_t seed);
