@@ -26,6 +26,8 @@ bpstrain job.
 from __future__ import annotations
 
 import dataclasses
+import signal
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -190,3 +192,18 @@ class BpstrainTrainer(DataParallelTrainer):
             resume_from_checkpoint=resume_from_checkpoint,
             metadata=metadata,
         )
+
+    def fit(self):
+        """Runs the training as ``DataParallelTrainer.fit`` and returns its ``Result``.
+
+        Ray Train installs a SIGINT handler for the run (Ctrl-C aborts it gracefully) and
+        leaves it installed afterwards, where a later Ctrl-C would start a fresh Ray
+        instance to abort a controller long gone; the caller's handler is put back.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return super().fit()
+        saved = signal.getsignal(signal.SIGINT)
+        try:
+            return super().fit()
+        finally:
+            signal.signal(signal.SIGINT, saved)

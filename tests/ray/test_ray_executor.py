@@ -1,5 +1,6 @@
 """RayExecutor on a real 5-node Ray cluster (a head and 4 nodes, see conftest.py)."""
 
+import signal
 import sys
 import time
 
@@ -176,8 +177,12 @@ def test_bpstrain_trainer_fits_on_ray_train_with_servers_on_cpu_nodes(ray_cluste
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, "gpu_node": 1}),
         bpstrain_config=BpstrainConfig(num_servers=2, server_resources={"cpu_node": 1}),
         run_config=RunConfig(storage_path=str(tmp_path / "results"), name="bps"))
+    handler = signal.getsignal(signal.SIGINT)
     result = trainer.fit()
     assert result.error is None
+    # Ray Train's own Ctrl-C handler must not outlive the run (a later Ctrl-C would start
+    # a new Ray instance to abort a controller that is gone).
+    assert signal.getsignal(signal.SIGINT) is handler
     infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [(i["rank"], i["world_rank"], i["size"], i["sum"]) for i in infos] == [
         (0, 0, 2, 3.0), (1, 1, 2, 3.0)]
