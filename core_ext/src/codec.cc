@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <thread>
 
@@ -127,6 +128,45 @@ void DecodeChunk(const BlobHeader& h, const uint8_t* data, float* acc) {
 }
 }  // namespace
 
+namespace {
+// The k largest magnitudes of x[0..n), ties to the lower index, as sorted indices: a
+// strict total order, so the set is the numpy reference's whatever nth_element does.
+// Selecting among all n indices compares through x at random and dominated the encode
+// (0.4 GB/s); a threshold guessed from a strided sample of 4096 magnitudes, aimed at
+// about 2k survivors, leaves nth_element a few k candidates. Every element of the top k
+// has a magnitude >= the k-th largest >= the threshold whenever >= k survive, so the
+// result is exact; fewer than k survivors (a pattern the sample missed) falls back to all n.
+void TopKIndices(const float* x, uint32_t n, uint32_t k, std::vector<uint32_t>& idx) {
+  auto before = [x](uint32_t a, uint32_t b) {
+    const float ma = Magnitude(x[a]), mb = Magnitude(x[b]);
+    return ma > mb || (ma == mb && a < b);
+  };
+  constexpr uint32_t kSamples = 4096;
+  idx.clear();
+  if (n >= 2 * kSamples && uint64_t(k) * 8 <= n) {
+    std::vector<float> sample(kSamples);
+    const double stride = static_cast<double>(n) / kSamples;
+    for (uint32_t i = 0; i < kSamples; ++i) sample[i] = Magnitude(x[static_cast<uint32_t>(i * stride)]);
+    const uint32_t rank = std::min<uint32_t>(kSamples - 1, static_cast<uint32_t>(2.0 * k / n * kSamples) + 16);
+    std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
+    const float threshold = sample[rank];
+    if (threshold > 0) {  // 0 or NaN-only (-1) would keep most of the chunk: no gain
+      idx.reserve(4 * size_t(k));
+      for (uint32_t j = 0; j < n; ++j)
+        if (Magnitude(x[j]) >= threshold) idx.push_back(j);
+    }
+    if (idx.size() < k) idx.clear();
+  }
+  if (idx.empty()) {
+    idx.resize(n);
+    std::iota(idx.begin(), idx.end(), 0u);
+  }
+  std::nth_element(idx.begin(), idx.begin() + (k - 1), idx.end(), before);
+  idx.resize(k);
+  std::sort(idx.begin(), idx.end());
+}
+}  // namespace
+
 void DecodeInto(const BlobHeader& h, const uint8_t* data, float* acc, bool assign) {
   assign ? DecodeChunk<true>(h, data, acc) : DecodeChunk<false>(h, data, acc);
 }
@@ -157,16 +197,8 @@ void Encode(const BlobHeader& like, const float* x, uint8_t* out, uint64_t* rng)
       payload[j0 >> 3] = static_cast<uint8_t>(bits);
     }
   } else if (like.codec == kTopK) {
-    std::vector<uint32_t> idx(n);
-    std::iota(idx.begin(), idx.end(), 0u);
-    // The k largest magnitudes, ties to the lower index: a strict total order, so the
-    // chosen set is the reference's whatever nth_element does internally.
-    auto before = [x](uint32_t a, uint32_t b) {
-      const float ma = Magnitude(x[a]), mb = Magnitude(x[b]);
-      return ma > mb || (ma == mb && a < b);
-    };
-    std::nth_element(idx.begin(), idx.begin() + (like.k - 1), idx.end(), before);
-    std::sort(idx.begin(), idx.begin() + like.k);
+    std::vector<uint32_t> idx;
+    TopKIndices(x, n, like.k, idx);
     uint8_t* values = payload + 4 * size_t(like.k);
     for (uint32_t i = 0; i < like.k; ++i) {
       std::memcpy(payload + 4 * size_t(i), &idx[i], 4);

@@ -66,6 +66,37 @@ def test_error_feedback_keeps_what_the_answer_dropped():
     np.testing.assert_array_equal(round_(2, [0, 0, 0], [0, 0, 0]), [0, 0, 2])  # the rest
 
 
+def _large_topk_inputs():
+    """Chunks big enough for the codec's sampled threshold, and the patterns that could
+    fool it: ties, zeros, NaN, and values the strided sample never sees."""
+    n = 1 << 17
+    rng = np.random.default_rng(11)
+    gauss = rng.standard_normal(n).astype(np.float32)
+    ties = np.repeat(rng.standard_normal(n // 64), 64).astype(np.float32)
+    sparse = np.zeros(n, np.float32)
+    sparse[rng.choice(n, 500, replace=False)] = rng.standard_normal(500)
+    with_nan = gauss.copy()
+    with_nan[::7] = np.nan
+    sampled = (np.arange(4096) * (n / 4096)).astype(np.int64)
+    hidden = gauss * 1e-3
+    hidden[sampled + 1] = 10 + rng.random(4096)  # the sample sees only the small values
+    decoy = gauss * 1e-3
+    decoy[sampled] = 10  # the sample sees only these: fewer than k pass its threshold
+    return {"gaussian": gauss, "ties": ties, "mostly zeros": sparse, "NaN": with_nan,
+            "hidden from the sample": hidden, "decoy": decoy}
+
+
+@pytest.mark.parametrize("pattern", list(_large_topk_inputs()))
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.1, 0.2])
+def test_the_host_top_k_encoder_equals_the_reference_on_large_chunks(pattern, ratio):
+    from bpstrain._core import codec_encode
+
+    x = _large_topk_inputs()[pattern]
+    out = np.empty(codec.compressed_bytes(codec.TOPK, x.size, x.size, ratio), np.uint8)
+    codec_encode(x, out, None, codec.TOPK, codec.FLAG_SERVER_EF, 0, x.size, ratio, 0)
+    assert out.tobytes() == codec.encode(codec.TOPK, x, k=codec.topk_count(x.size, ratio))
+
+
 def _header(c=codec.ONEBIT, flags=0, param=0, n=8, k=8, scale=1.0):
     return struct.pack("<BBHIIf", c, flags, param, n, k, scale)
 
