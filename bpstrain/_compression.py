@@ -38,6 +38,7 @@ import fnmatch
 import hashlib
 import logging
 import statistics
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -460,6 +461,19 @@ def engine_bandwidth() -> Optional[float]:
     return float(value) if value and value > 0 else None
 
 
+AUTO_CLEAR_MARGIN = 4.0
+"""``auto`` trusts its cost model where the wire time saved and the codec's cost differ by
+this factor; in between (a fast link, or a codec that shares the cores with the transport,
+as on one host) it times training steps both ways before deciding (see :class:`AutoPolicy`)."""
+
+
+def _typical(periods: List[float]) -> float:
+    """The median step, leaving out the first (it crosses the switch between ways of
+    sending); NaN with none timed (a resume in the middle), which never compresses."""
+    timed = periods[1:] if len(periods) > 1 else periods
+    return statistics.median(timed) if timed else float("nan")
+
+
 @dataclasses.dataclass
 class _Track:
     seen: int = 0
@@ -470,10 +484,17 @@ class _Track:
     sent_bytes: int = 0
     on: Optional[bool] = None
     pending: Optional[int] = None  # the engine handle of the ranks' mean, while in flight
+    stage: str = "measure"         # measure -> (trial -> compare, when not clear) -> decided
+    trial_steps: int = 0
+    compare_steps: int = 0
+    trial_periods: List[float] = dataclasses.field(default_factory=list)
+    compare_periods: List[float] = dataclasses.field(default_factory=list)
+    last_call: Optional[float] = None
+    last_arm: str = ""             # "trial" or "compare": the step its next call closes
 
 
 class AutoPolicy:
-    """Per tensor: compress only where it saves more wire time than it costs.
+    """Per tensor: compress only where it saves more time than it costs.
 
     For each tensor (by key) the first steps measure; then every rank takes the same,
     sticky decision, logged once at info level on ``bpstrain.compression``:
@@ -485,27 +506,38 @@ class AutoPolicy:
       (its first step; saved = that time x the share of bytes saved). That time runs
       from enqueue to the result, so where the adapter overlaps it with other work it
       overestimates the wire time: such a guess errs towards compressing.
-    * on = saved > cost, with both averaged over the ranks (one tiny push_pull per
-      tensor, ``<name>.auto``), so every rank sends the same way. That push_pull starts
-      after the last measured step and is waited for one step later (that tensor is
-      measured once more meanwhile): a rank never blocks inside a gradient hook on a
-      collective another rank has not started, whatever order hooks fire in.
+    * Both are averaged over the ranks (one tiny push_pull per tensor, ``<name>.auto``).
+      Where they differ by :data:`AUTO_CLEAR_MARGIN` or more, that settles it (a slow link
+      saves far more than the codec costs). Otherwise the model is too coarse to trust —
+      on one host the "wire" is the same cores the codec needs — so the tensor is sent
+      compressed for ``steps`` + 1 steps and uncompressed for as many (phase
+      ``"compare"``), timing the whole step between two calls for the tensor, and it is
+      compressed only if the ranks' median compressed step was shorter. A few such steps
+      cost little, since they only happen where the two ways are close.
 
-    Adapters call :meth:`phase` before each push_pull of a tensor and report what they
-    measured with :meth:`record_raw` / :meth:`record_codec`.
+    The ranks' means start after the step that completes a stage and are waited for one
+    step later (that tensor keeps the stage's way of sending meanwhile): a rank never
+    blocks inside a gradient hook on a collective another rank has not started, whatever
+    order hooks fire in.
+
+    Adapters call :meth:`phase` once per step and tensor, before its push_pull, and report
+    what they measured with :meth:`record_raw` / :meth:`record_codec`.
 
     Args:
         steps: compressed steps measured before deciding.
         bandwidth: link bytes per second (None: the engine's, else measured).
         reduce: ``(values, name) -> mean over ranks``, blocking (default: the engine's
             push_pull, started one step ahead as said above).
+        clock: seconds, monotonic (tests pass their own).
     """
 
     def __init__(self, steps: int = 5, bandwidth: Optional[float] = None,
-                 reduce: Optional[Callable[[np.ndarray, str], np.ndarray]] = None):
+                 reduce: Optional[Callable[[np.ndarray, str], np.ndarray]] = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.steps = int(steps)
         self.bandwidth = bandwidth
         self.reduce = reduce
+        self.clock = clock
         self._tracks: Dict[str, _Track] = {}
 
     def _link(self) -> Optional[float]:
@@ -513,16 +545,41 @@ class AutoPolicy:
 
     def phase(self, key: str, name: str) -> str:
         """What to do with tensor ``key`` this step: ``"raw"`` (send uncompressed and
-        time it), ``"measure"`` (compress and time the codec), ``"on"`` or ``"off"``.
+        time it), ``"measure"`` (compress and time the codec), ``"on"``, ``"off"``, or
+        ``"compare"`` (send uncompressed as ``"off"`` does; the policy times the step).
 
         Deciding is collective: every rank calls this for the same tensors and steps
         (``name`` is the tensor's engine name, the same on every rank).
         """
         t = self._tracks.setdefault(key, _Track())
-        # Counted in calls, not in measurements received, so every rank decides at the
+        now = self.clock()
+        if t.last_arm and t.last_call is not None:  # the step since the last call, timed
+            (t.trial_periods if t.last_arm == "trial" else t.compare_periods).append(now - t.last_call)
+        t.last_call, t.last_arm = now, ""
+        # Counted in calls, not in measurements received, so every rank moves on at the
         # same step whatever its timing.
-        if t.on is None and t.measured >= self.steps:
-            self._decide(key, name, t)  # starts the ranks' mean, or takes it
+        if t.on is None and t.stage == "measure" and t.measured >= self.steps:
+            mean = self._mean(name, t, self._local_figures)
+            if mean is not None:
+                self._judge_model(key, t, cost=mean[0], saved=mean[1])
+        if t.on is None and t.stage == "trial":
+            if t.trial_steps <= self.steps:
+                t.trial_steps += 1
+                t.last_arm = "trial"
+                return "on"
+            t.stage = "compare"
+        if t.on is None and t.stage == "compare":
+            if t.compare_steps <= self.steps:
+                t.compare_steps += 1
+                t.last_arm = "compare"
+                return "compare"
+            mean = self._mean(name, t, lambda tr: np.array(
+                [_typical(tr.trial_periods), _typical(tr.compare_periods)]))
+            if mean is None:
+                return "compare"
+            self._settle(key, t, bool(mean[0] < mean[1]),  # a tie keeps the exact path
+                         "compressed steps took %.3f ms against %.3f ms uncompressed (median, mean "
+                         "over ranks)", 1e3 * mean[0], 1e3 * mean[1])
         if t.on is not None:
             return "on" if t.on else "off"
         t.seen += 1
@@ -548,21 +605,34 @@ class AutoPolicy:
         t = self._tracks.get(key)
         return None if t is None else t.on
 
-    def _decide(self, key: str, name: str, t: _Track) -> None:
-        if self.reduce is None:
-            from bpstrain import engine
+    def _mean(self, name: str, t: _Track, figures: Callable[[_Track], np.ndarray]) -> Optional[np.ndarray]:
+        """The ranks' mean of ``figures(t)``; None while it is in flight (engine only)."""
+        if self.reduce is not None:
+            return np.asarray(self.reduce(np.asarray(figures(t), np.float64), f"{name}.auto"))
+        from bpstrain import engine
 
-            if t.pending is None:
-                t.pending = engine.push_pull_async(self._local_figures(t), name=f"{name}.auto")
-                return
-            handle, t.pending = t.pending, None
-            mean = np.asarray(engine.synchronize(handle))
+        if t.pending is None:
+            t.pending = engine.push_pull_async(np.asarray(figures(t), np.float64), name=f"{name}.auto")
+            return None
+        handle, t.pending = t.pending, None
+        return np.asarray(engine.synchronize(handle))
+
+    def _judge_model(self, key: str, t: _Track, cost: float, saved: float) -> None:
+        how = ("codec %.3f ms against %.3f ms of wire time saved per step (mean over ranks)",
+               1e3 * cost, 1e3 * saved)
+        if saved > 0 and saved >= AUTO_CLEAR_MARGIN * cost:
+            self._settle(key, t, True, *how)
+        elif saved * AUTO_CLEAR_MARGIN <= cost:
+            self._settle(key, t, False, *how)
         else:
-            mean = np.asarray(self.reduce(self._local_figures(t), f"{name}.auto"))
-        t.on = bool(mean[1] > mean[0])
-        log.info("auto compression %s for %s: codec %.3f ms against %.3f ms of wire time saved "
-                 "per step (mean over ranks)", "on" if t.on else "off", key, 1e3 * mean[0],
-                 1e3 * mean[1])
+            t.stage = "trial"
+            log.debug("auto compression for %s: " + how[0] + "; timing steps both ways", key,
+                      *how[1:])
+
+    @staticmethod
+    def _settle(key: str, t: _Track, on: bool, why: str, *args: float) -> None:
+        t.on = on
+        log.info("auto compression %s for %s: " + why, "on" if on else "off", key, *args)
 
     def _local_figures(self, t: _Track) -> np.ndarray:
         """[cost, saved] in seconds per step, as this rank measured them."""
@@ -581,7 +651,9 @@ class AutoPolicy:
     def state_dict(self) -> Dict[str, Any]:
         """Decisions and measurements, for a checkpoint (decisions stay sticky on resume)."""
         # An in-flight mean is not saved: a resumed job starts it again, on every rank alike.
-        return {k: {**dataclasses.asdict(t), "pending": None} for k, t in self._tracks.items()}
+        # Nor is a clock reading: a step that spans the resume is not timed.
+        return {k: {**dataclasses.asdict(t), "pending": None, "last_call": None, "last_arm": ""}
+                for k, t in self._tracks.items()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restores :meth:`state_dict`."""

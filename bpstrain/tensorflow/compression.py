@@ -178,7 +178,7 @@ class AutoCompressor(tf.Module):
                 out[i] = reduce_with(NoneCompressor, [t], [name], average, [priorities[i]])[0]
                 self.policy.record_raw(name, time.perf_counter() - start,
                                        t.dtype.size * _wire.numel(t.shape))
-            elif phase == "off":
+            elif phase in ("off", "compare"):
                 plain.append(i)
             else:
                 if phase == "measure":

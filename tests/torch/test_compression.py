@@ -281,6 +281,45 @@ def test_auto_policy_measures_an_uncompressed_push_pull_without_a_bandwidth():
     assert cheap.phase("t", "t") == "off"
 
 
+def _close_call(policy, steps):
+    """Drives one tensor through ``policy`` with a fake clock: ``steps`` maps a phase to the
+    seconds a step sent that way takes. Returns the phases, in order, the deciding call's last."""
+    now, phases = [0.0], []
+    policy.clock = lambda: now[0]
+    while policy.decision("t") is None:
+        assert len(phases) < 40, phases
+        phase = policy.phase("t", "t")
+        phases.append(phase)
+        if phase == "measure":
+            policy.record_codec("t", 0.004, 4000, 200)  # 4 ms of codec ...
+        now[0] += steps.get(phase, 0.0)
+    return phases
+
+
+@pytest.mark.parametrize("compressed_step,want", [(0.090, True), (0.110, False), (0.100, False)])
+def test_auto_times_steps_both_ways_where_its_cost_model_is_unsure(compressed_step, want):
+    # ... for 3800 bytes saved twice at 1 MB/s = 7.6 ms: within the margin, so the policy
+    # sends 3 steps compressed and 3 uncompressed and keeps the faster (a tie: uncompressed).
+    seen = []
+    policy = AutoPolicy(steps=2, bandwidth=1e6,
+                        reduce=lambda values, name: seen.append(list(values)) or values)
+    phases = _close_call(policy, {"measure": 0.2, "on": compressed_step, "compare": 0.100})
+    final = "on" if want else "off"
+    assert phases == ["measure"] * 2 + ["on"] * 3 + ["compare"] * 3 + [final], phases
+    assert policy.decision("t") is want
+    assert seen[0] == pytest.approx([0.004, 0.0076]) and seen[1] == pytest.approx([compressed_step, 0.1])
+    resumed = AutoPolicy(steps=2, bandwidth=1e6)
+    resumed.load_state_dict(policy.state_dict())
+    assert resumed.decision("t") is want and resumed.phase("t", "t") == final
+
+
+def test_auto_trusts_its_cost_model_where_the_difference_is_clear():
+    for bandwidth, want in ((1e4, True), (1e8, False)):  # 760 ms or 0.08 ms saved for 4 ms
+        policy = AutoPolicy(steps=2, bandwidth=bandwidth, reduce=lambda values, name: values)
+        assert _close_call(policy, {"measure": 0.1}) == ["measure"] * 2 + ["on" if want else "off"]
+        assert policy.decision("t") is want
+
+
 # -- jobs of 2 and 3 workers ----------------------------------------------------------------
 
 GROUPS = ["torch_checks_compression"]
@@ -291,7 +330,8 @@ CODEC_CHECKS = {"check_byte_codecs_match_numpy_reference", "check_optimizer_stat
                 "check_cross_barrier_compresses_as_distributed_optimizer_does",
                 "check_optimizer_with_auto_switches_off_on_a_free_link",
                 "check_every_compressor_trains_a_least_squares_model",
-                "check_optimizer_compresses_large_parameters_only", "check_auto_decides_alike_on_every_rank"}
+                "check_optimizer_compresses_large_parameters_only", "check_auto_decides_alike_on_every_rank",
+                "check_auto_times_both_ways_and_decides_alike_on_every_rank"}
 
 
 def _marks(name):

@@ -60,7 +60,7 @@ def _close(got, want, what):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=what)
 
 
-def check_byte_codecs_match_numpy_reference():
+def check_byte_codecs_match_numpy_reference(device="cpu"):
     r, n = bps.rank(), bps.size()
     specs = ["onebit", "onebit:scaled=false", "topk:0.05", "dithering:8:stochastic=false",
              "onebit:chunk=300", "topk:0.1:chunk=256:server_error_feedback=false",
@@ -73,15 +73,17 @@ def check_byte_codecs_match_numpy_reference():
             inputs = [[_input(k, s, salt=salt).ravel() for k in range(n)] for s in range(STEPS)]
             want, residuals = simulate_bytes(spec, inputs, average)
             for s in range(STEPS):
-                got = bps.push_pull(torch.from_numpy(_input(r, s, salt=salt)), average=average,
-                                    name=name, compression=comp)
+                got = bps.push_pull(torch.from_numpy(_input(r, s, salt=salt)).to(device),
+                                    average=average, name=name, compression=comp)
                 assert got.shape == SHAPE and got.dtype == torch.float32
-                _close(got.numpy().ravel(), want[s], f"{text} average={average} step {s}")
+                assert got.device.type == device
+                _close(got.cpu().numpy().ravel(), want[s], f"{text} average={average} step {s}")
             if spec.ef:
-                _close(comp._tensors[name]["residual"].numpy(), residuals[r], f"{text} residual")
+                _close(comp._tensors[name]["residual"].cpu().numpy(), residuals[r],
+                       f"{text} residual")
 
 
-def check_randomk_matches_numpy():
+def check_randomk_matches_numpy(device="cpu"):
     r, n = bps.rank(), bps.size()
     comp = bps.Compression.randomk(0.1, seed=3)
     name, numel = "cmp.randomk", SHAPE[0] * SHAPE[1]
@@ -95,9 +97,11 @@ def check_randomk_matches_numpy():
         for q in range(n):
             res[q] = xs[q].copy()
             res[q][idx] = 0
-        got = bps.push_pull(torch.from_numpy(_input(r, s, salt=10)), name=name, compression=comp)
-        _close(got.numpy().ravel(), want, f"random-k step {s}")
-    _close(comp._tensors[name]["residual"].numpy(), res[r], "random-k residual")
+        got = bps.push_pull(torch.from_numpy(_input(r, s, salt=10)).to(device), name=name,
+                            compression=comp)
+        assert got.device.type == device
+        _close(got.cpu().numpy().ravel(), want, f"random-k step {s}")
+    _close(comp._tensors[name]["residual"].cpu().numpy(), res[r], "random-k residual")
 
 
 def np_orthogonalize(p):
@@ -109,7 +113,7 @@ def np_orthogonalize(p):
     return p
 
 
-def check_powersgd_matches_numpy():
+def check_powersgd_matches_numpy(device="cpu"):
     r, n = bps.rank(), bps.size()
     shape, rank = (24, 5, 6), 2  # a conv-like weight: the matrix is 24 x 30
     comp = bps.Compression.powersgd(rank, seed=7)
@@ -122,13 +126,13 @@ def check_powersgd_matches_numpy():
         q = sum(m.T @ p for m in ms) / np.float32(n)
         want = p @ q.T
         res = [m - want for m in ms]
-        got = bps.push_pull(torch.from_numpy(_input(r, s, shape, salt=20)), name=name,
-                            compression=comp)
-        assert got.shape == shape
-        np.testing.assert_allclose(got.numpy().reshape(24, 30), want, rtol=1e-4, atol=1e-4)
-    bias = torch.full((7,), float(r))
+        got = bps.push_pull(torch.from_numpy(_input(r, s, shape, salt=20)).to(device),
+                            name=name, compression=comp)
+        assert got.shape == shape and got.device.type == device
+        np.testing.assert_allclose(got.cpu().numpy().reshape(24, 30), want, rtol=1e-4, atol=1e-4)
+    bias = torch.full((7,), float(r), device=device)
     got = bps.push_pull(bias, name="cmp.powersgd.bias", compression=comp)  # 1-D: plain average
-    assert torch.allclose(got, torch.full((7,), (n - 1) / 2)), got
+    assert torch.allclose(got.cpu(), torch.full((7,), (n - 1) / 2)), got
 
 
 def check_cast_compressors_average():
@@ -230,6 +234,29 @@ def check_auto_decides_alike_on_every_rank():
     assert off.decision("cmp.auto.off") is False and on.decision("cmp.auto.on") is True
     got = bps.push_pull(torch.full((4096,), float(bps.rank())), name="cmp.auto.off", compression=off)
     assert torch.equal(got, torch.full((4096,), (bps.size() - 1) / 2))  # off: exact average
+
+
+def check_auto_times_both_ways_and_decides_alike_on_every_rank():
+    from bpstrain import _compression
+
+    saved, _compression.AUTO_CLEAR_MARGIN = _compression.AUTO_CLEAR_MARGIN, float("inf")
+    try:  # no figure is clear now: every tensor is timed both ways
+        auto = bps.Compression.auto("onebit", steps=2, bandwidth=1e9)
+        phases = []
+        for s in range(12):
+            x = torch.full((50_000,), float(bps.rank() + s))
+            got = bps.push_pull(x, name="cmp.auto.timed", compression=auto)
+            phases.append(auto.policy._tracks["cmp.auto.timed"].last_arm)
+            if phases[-1] == "compare":  # sent uncompressed: the exact average
+                assert torch.equal(got, torch.full((50_000,), (bps.size() - 1) / 2 + s)), s
+    finally:
+        _compression.AUTO_CLEAR_MARGIN = saved
+    # 2 measured steps and 1 more while the ranks' mean is in flight, 3 timed each way
+    assert phases[:9] == [""] * 3 + ["trial"] * 3 + ["compare"] * 3, phases
+    decided = auto.decision("cmp.auto.timed")
+    assert decided is not None, phases
+    both = bps.push_pull(torch.tensor([float(decided)]), average=False, name="cmp.auto.decided")
+    assert both.item() in (0.0, bps.size()), both  # every rank alike
 
 
 def check_cross_barrier_compresses_as_distributed_optimizer_does():

@@ -8,6 +8,7 @@ from torch import nn
 
 import bpstrain.torch as bps
 import torch_checks_api as api
+import torch_checks_compression as compression
 import torch_checks_optim_state as optim_state
 import torch_checks_training as training
 from bpstrain.errors import MismatchError
@@ -35,6 +36,15 @@ def check_cuda_broadcast_every_dtype():
 def check_cuda_autograd_and_fp16():
     api.check_autograd_through_push_pull(_device())
     api.check_fp16_compression_and_bad_dtypes("cuda")
+
+
+def check_cuda_compression_matches_numpy_reference():
+    # The CUDA compressors encode on the GPU; every rank's answer must still equal the
+    # numpy replay of the whole round (workers' and servers' error feedback included).
+    _device()
+    compression.check_byte_codecs_match_numpy_reference("cuda")
+    compression.check_randomk_matches_numpy("cuda")
+    compression.check_powersgd_matches_numpy("cuda")
 
 
 def check_cuda_shape_mismatch():
