@@ -151,6 +151,7 @@ def _connect(state: _State) -> None:
         advertise_host=env.node_host,
         host_id=env.host_id,
         authenticate_bodies=bool(o["authenticate_bodies"]),
+        transport=str(o["transport"]),
     )
     worker.start()
     try:

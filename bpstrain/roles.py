@@ -89,6 +89,7 @@ def _serve_one_job(role: str, env, options, rendezvous_timeout: float) -> None:
             secret=str(options["secret"] or ""),
             local_size=env.local_size if env.local_size_given else 0,
             mixed_mode=env.mixed_mode,
+            transport=str(options["transport"]),
         )
     else:
         _core.set_log_prefix("bpstrain server")
@@ -105,6 +106,7 @@ def _serve_one_job(role: str, env, options, rendezvous_timeout: float) -> None:
             host_id=env.host_id,
             round_timeout=float(options["op_timeout"]),
             authenticate_bodies=bool(options["authenticate_bodies"]),
+            transport=str(options["transport"]),
         )
     node.start()
     try:

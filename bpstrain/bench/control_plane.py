@@ -225,8 +225,8 @@ def run_case(workers: int, servers: int, transport: str = "inproc", barriers: in
     BenchError when any step fails (a node not welcomed, a barrier not released)."""
     if workers < 1 or servers < 1 or barriers < 1:
         raise ValueError(f"Expected workers, servers and barriers >= 1. Received: {workers}, {servers}, {barriers}")
-    if transport not in ("inproc", "tcp"):
-        raise ValueError(f"Expected transport 'inproc' or 'tcp'. Received: {transport!r}")
+    if transport not in ("inproc", "tcp") and not transport.startswith("ucx"):
+        raise ValueError(f"Expected transport 'inproc', 'tcp' or 'ucx[:<tls>]'. Received: {transport!r}")
     _raise_fd_limit(2 * (workers + servers) + 256)
     host = (_LocalScheduler if transport == "inproc" else _ChildScheduler)(workers, servers, transport,
                                                                           secret, timeout)

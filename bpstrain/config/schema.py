@@ -312,6 +312,12 @@ class CommConfig:
         "false on workers and servers alike leaves bodies untagged (headers stay "
         "authenticated): only on a network trusted not to alter packets.",
         "BPSTRAIN_AUTHENTICATE_BODIES")
+    transport: str = knob(
+        "tcp", "How frames move between processes: tcp, or ucx (UCX: RDMA NICs, shared memory "
+        "within a host, TCP; UCX_* variables apply) / ucx:<UCX_TLS list> (e.g. ucx:tcp, "
+        "ucx:rc,sm,tcp). Every process of a job uses the same one.", "BPSTRAIN_TRANSPORT",
+        pattern=r"tcp|ucx(:[a-z0-9_^]+(,[a-z0-9_^]+)*)?",
+        expected="'tcp', 'ucx' or 'ucx:<UCX_TLS list>' (e.g. 'ucx:tcp')")
     compression: str = knob(
         "none", "Gradient compression of the Trainer's DistributedOptimizer (torch and "
         "Keras): none | fp16 | bf16 | onebit | topk:<ratio> | randomk:<ratio> | "

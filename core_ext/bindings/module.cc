@@ -360,6 +360,10 @@ PYBIND11_MODULE(_core, m) {
           py::arg("timeout") = 10.0, "(type, key, version, arg, meta, body) of the next frame; None at the end.")
       .def("shutdown", &Link::Shutdown);
   m.def(
+      "check_transport", [](const std::string& name) { Transport::Get(name); }, py::arg("name"),
+      "Starts the transport called name (tcp, inproc, ucx, ucx:<UCX_TLS>) or raises ConfigError "
+      "saying why it is unavailable (e.g. no UCX in this build or on this machine).");
+  m.def(
       "connect_raw",
       [](const std::string& transport, const std::string& host, int port, double timeout, bool handshake,
          const std::string& secret, py::bytes key, const std::string& identity, bool body_tags) {

@@ -21,7 +21,9 @@ void TuneSocket(int fd) {
   setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
 }
 
-bool Resolve(const std::string& host, int port, sockaddr_in* out) {
+}  // namespace
+
+bool ResolveIPv4(const std::string& host, int port, sockaddr_in* out) {
   std::memset(out, 0, sizeof *out);
   out->sin_family = AF_INET;
   out->sin_port = htons(static_cast<uint16_t>(port));
@@ -38,12 +40,10 @@ bool Resolve(const std::string& host, int port, sockaddr_in* out) {
   return true;
 }
 
-}  // namespace
-
 TcpListener::TcpListener(const std::string& host, int port) {
   host_ = host == "0.0.0.0" ? "" : host;
   sockaddr_in addr;
-  if (!Resolve(host, port, &addr))
+  if (!ResolveIPv4(host, port, &addr))
     throw Error(Error::kConfig, "cannot resolve listen address. Received: host=" + host);
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) throw Error(Error::kGeneric, std::string("socket(): ") + strerror(errno));
@@ -119,7 +119,7 @@ std::string TcpTransport::LocalHostToward(const std::string& endpoint) const {
   int port = 0;
   SplitHostPort(endpoint, &host, &port);
   sockaddr_in addr;
-  if (!Resolve(host, port == 0 ? 9 : port, &addr)) return "";
+  if (!ResolveIPv4(host, port == 0 ? 9 : port, &addr)) return "";
   // A UDP "connect" sends nothing; it only asks the kernel which source address it would use.
   int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return "";
@@ -142,7 +142,7 @@ std::unique_ptr<Link> TcpTransport::Connect(const std::string& endpoint, double 
   int port = 0;
   SplitHostPort(endpoint, &host, &port);
   sockaddr_in addr;
-  if (!Resolve(host, port, &addr))
+  if (!ResolveIPv4(host, port, &addr))
     throw Error(Error::kConfig, "cannot resolve address. Received: host=" + host);
   auto start = Clock::now();
   int last_errno = 0;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <netinet/in.h>
 #include <mutex>
 #include <string>
 
@@ -78,5 +79,8 @@ class TcpTransport : public Transport {
 
 // Splits "host:port"; throws Error(kConfig) for anything else.
 void SplitHostPort(const std::string& endpoint, std::string* host, int* port);
+// host ("" or 0.0.0.0: every interface; a dotted quad; a name) and port as an IPv4
+// address; false when the name does not resolve.
+bool ResolveIPv4(const std::string& host, int port, sockaddr_in* out);
 
 }  // namespace bps
