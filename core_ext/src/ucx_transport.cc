@@ -262,6 +262,10 @@ void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t st) {
   state->CancelReceive();  // ... a tagged receive is the worker's
 }
 
+Clock::time_point After(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
 // One connection. Frames travel as tagged messages, which UCX delivers with its
 // rendezvous protocol when large: the body lands straight in the caller's destination
 // (RDMA read, CMA on one host), with no bounce buffer and nothing registered per frame
@@ -294,14 +298,19 @@ class UcxLink : public Link {
   void RecvBody(void* dst, uint64_t n) override;
   void DiscardBody(uint64_t n) override;
   void SetRecvTimeout(double seconds) override { recv_timeout_s_ = seconds; }
-  void SetDeadline(double seconds) override {
-    deadline_ = seconds > 0 ? Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                 std::chrono::duration<double>(seconds))
-                            : Clock::time_point{};
-  }
+  void SetDeadline(double seconds) override { deadline_ = seconds > 0 ? After(seconds) : Clock::time_point{}; }
   void Shutdown() override;
 
  private:
+  // The parameters of a send that completes into state_->sent, armed.
+  ucp_request_param_t ArmSend() {
+    state_->sent.Arm();
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = OnSent;
+    p.user_data = &state_->sent;
+    return p;
+  }
   static uint64_t FreshTag() {
     std::random_device rd;
     uint64_t t = 0;
@@ -372,15 +381,10 @@ void UcxLink::Create(ucp_ep_params_t params) {
 
 void UcxLink::AnnounceTag() {
   tag_wire_ = my_tag_;
-  state_->sent.Arm();
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.send = OnSent;
-  p.user_data = &state_->sent;
+  ucp_request_param_t p = ArmSend();
   bool timed_out = false;
-  const auto until = Clock::now() + std::chrono::seconds(10);
   const ucs_status_t st = Finish(Post([&](ucp_ep_h ep) { return api_.stream_send_nbx(ep, &tag_wire_, 8, &p); }),
-                                 state_->sent, until, &timed_out);
+                                 state_->sent, After(10.0), &timed_out);
   if (st != UCS_OK) throw Error(Error::kPeer, "UCX connection to " + peer_ + " failed at its start: " + Why(api_, st));
 }
 
@@ -395,10 +399,8 @@ void UcxLink::LearnPeerTag() {
   p.flags = UCP_STREAM_RECV_FLAG_WAITALL;
   size_t length = 0;
   bool timed_out = false;
-  const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                        std::chrono::duration<double>(kSendTimeoutS));
   const ucs_status_t st = Finish(Post([&](ucp_ep_h ep) { return api_.stream_recv_nbx(ep, &tag, 8, &length, &p); }),
-                                 state_->received, until, &timed_out);
+                                 state_->received, After(kSendTimeoutS), &timed_out);
   if (timed_out) throw Error(Error::kTimeout, "UCX peer " + peer_ + " never said where to send");
   if (st != UCS_OK) throw Error(Error::kPeer, "connection to " + peer_ + " lost while sending: " + Why(api_, st));
   if (tag == 0 || (tag & 1)) throw Error(Error::kPeer, "UCX peer " + peer_ + " sent a malformed receive tag");
@@ -483,16 +485,10 @@ ucs_status_t UcxLink::Finish(ucs_status_ptr_t request, Pending& pending, Clock::
 void UcxLink::SendMessage(const void* data, size_t n, uint64_t tag) {
   if (down_.load() || state_->error.load() != UCS_OK)
     throw Error(Error::kPeer, "connection to " + peer_ + " lost while sending");
-  state_->sent.Arm();
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.send = OnSent;
-  p.user_data = &state_->sent;
+  ucp_request_param_t p = ArmSend();
   bool timed_out = false;
-  const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                        std::chrono::duration<double>(kSendTimeoutS));
   const ucs_status_t st = Finish(Post([&](ucp_ep_h ep) { return api_.tag_send_nbx(ep, data, n, tag, &p); }),
-                                 state_->sent, until, &timed_out);
+                                 state_->sent, After(kSendTimeoutS), &timed_out);
   if (timed_out)
     throw Error(Error::kTimeout, "sending to " + peer_ + " made no progress for " +
                                      std::to_string(static_cast<int>(kSendTimeoutS)) + " s (peer stopped reading)");
@@ -513,8 +509,7 @@ void UcxLink::Send(FrameHeader h, const std::string& meta, const void* body, uin
 Clock::time_point UcxLink::ReceiveUntil() const {
   Clock::time_point until = deadline_;
   if (recv_timeout_s_ > 0) {
-    const auto t = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                      std::chrono::duration<double>(recv_timeout_s_));
+    const auto t = After(recv_timeout_s_);
     if (until == Clock::time_point{} || t < until) until = t;
   }
   return until;
