@@ -6,7 +6,9 @@ hands its compressors' state to rank 0 (:func:`gather`, collective), the checkpo
 stores one entry per rank (``"compression_states"``), and a resumed rank ``r`` loads
 entry ``r`` into its DistributedOptimizer (:func:`restore`). Where the torch optimizer
 can export the servers' residuals too (``state_dict(server_state=True)``), they travel
-in the same entries and go back to the servers on resume.
+in the same entries and go back to the servers on resume. A Keras model's
+``DistributedOptimizer`` keeps its codecs in ``_bps_compression`` (a TensorFlow
+compressor with ``get_state``/``set_state``); its entry is that compressor's state.
 """
 
 from __future__ import annotations
@@ -20,7 +22,25 @@ CHECKPOINT_KEY = "compression_states"
 _rounds = itertools.count()
 
 
+def _optimizers(trainer) -> List[Any]:
+    """The wrapped optimizers that may hold codec state: the torch ones, else the Keras
+    model's."""
+    torch_optimizers = [o for o in (getattr(trainer, "optimizers", None) or []) if o is not None]
+    if torch_optimizers:
+        return torch_optimizers
+    keras_optimizer = getattr(getattr(trainer, "module", None), "optimizer", None)
+    return [keras_optimizer] if _keras_codec(keras_optimizer) is not None else []
+
+
+def _keras_codec(optimizer) -> Optional[Any]:
+    codec = getattr(optimizer, "_bps_compression", None)
+    return codec if callable(getattr(codec, "get_state", None)) else None
+
+
 def _codec_state(optimizer) -> Optional[Any]:
+    keras_codec = _keras_codec(optimizer)
+    if keras_codec is not None:
+        return keras_codec.get_state(server_state=True)  # collective, as below
     state_dict = optimizer.state_dict
     try:
         collective = "server_state" in inspect.signature(state_dict).parameters
@@ -40,7 +60,7 @@ def gather(trainer) -> None:
     trainer._compression_states = None
     if comm is None or not comm.distributed or comm.compression_policy() is None:
         return
-    mine = [_codec_state(o) for o in (trainer.optimizers or []) if o is not None]
+    mine = [_codec_state(o) for o in _optimizers(trainer)]
     states = comm.gather_object(mine, f"trainer.compression_state.{next(_rounds)}")
     trainer._compression_states = states if trainer.is_global_zero else None
 
@@ -60,7 +80,14 @@ def restore(trainer, ckpt: Optional[dict]) -> None:
         trainer.print(f"the checkpoint holds the compression state of {len(states)} ranks; "
                       f"rank {trainer.rank} starts its error feedback from zero")
         return
+    optimizers = _optimizers(trainer)
+    keras_codec = _keras_codec(optimizers[0]) if optimizers else None
+    if keras_codec is not None:
+        for codec in states[trainer.rank][:1]:
+            if codec is not None:
+                keras_codec.set_state(codec)  # collective where it holds server entries
+        return
     plain = [ckpt.get("optimizer")] + list(ckpt.get("other_optimizers") or [])
-    for optimizer, state, codec in zip(trainer.optimizers, plain, states[trainer.rank]):
+    for optimizer, state, codec in zip(optimizers, plain, states[trainer.rank]):
         if codec is not None and state is not None:
             optimizer.load_state_dict({**state, STATE_KEY: codec})

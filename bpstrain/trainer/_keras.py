@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Dict
+import types
+from typing import Any, Dict, Optional
 
 import numpy as np
 
 from bpstrain.config import ConfigError
+from bpstrain.trainer import _compression_state, _preempt, _resume
 from bpstrain.trainer._dispatch import fire
 from bpstrain.trainer.callbacks.metrics import average_sums
 from bpstrain.trainer.history import History
@@ -222,86 +224,225 @@ def _decides_eagerly(policy) -> bool:
                [policy.default, *(rule.compression for rule in policy.rules)])
 
 
-def _bridge(trainer, model, samples: int, size: int, val_samples: int = 0):
-    """A keras Callback that forwards Keras' hooks to the Trainer's callbacks.
+class _BridgeHooks:
+    """Turns Keras' hook calls of one ``fit`` (one ``model.fit`` call per epoch) into
+    Trainer events, and watches for the pre-timeout signal after every step.
 
     Args:
         samples: Training samples of this rank per epoch.
         size: Batch size.
         val_samples: Validation samples of this rank.
+        watch: The :class:`bpstrain.trainer._preempt.Watch` of this fit.
     """
+
+    def __init__(self, trainer, model, samples: int, size: int, val_samples: int, watch):
+        super().__init__()  # keras.callbacks.Callback's, in the class _bridge makes
+        self.trainer, self.keras_model, self.watch = trainer, model, watch
+        self.samples, self.size, self.val_samples = samples, size, val_samples
+        self.started = False
+        self.offset = 0  # batches of this epoch trained before this model.fit call
+        self.prior: Dict[str, list] = {}  # their metric sums: {key: [sum, samples]}
+        self.batch_logs: Dict[str, float] = {}
+        self.stop_at = None  # the next batch, once the signal stopped this epoch
+
+    def begin_epoch(self, offset: int, prior: Dict[str, list]) -> None:
+        self.offset, self.prior, self.batch_logs = offset, prior, {}
+
+    def _seen(self, batches: int) -> int:
+        """Samples of this rank trained in this epoch's first ``batches`` batches."""
+        return min(batches * self.size, self.samples)
+
+    def sums(self, logs: Dict[str, float], batches: int) -> Dict[str, list]:
+        """The epoch's metric sums after ``batches`` batches: those before this
+        ``model.fit`` call plus ``logs`` (Keras' running means of this call)."""
+        trained = self._seen(batches) - self._seen(self.offset)
+        out = {k: list(v) for k, v in self.prior.items()}
+        for key, mean in logs.items():
+            entry = out.setdefault(key, [0.0, 0.0])
+            entry[0] += mean * trained
+            entry[1] += trained
+        return out
+
+    def on_train_begin(self, logs=None):
+        if not self.started:
+            self.started = True
+            self.trainer.optimizer = self.keras_model.optimizer
+            fire(self.trainer.callbacks, "fit_start", self.trainer, self.keras_model,
+                 logs=dict(logs or {}))
+            fire(self.trainer.callbacks, "train_start", self.trainer, self.keras_model)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        t = self.trainer
+        t.current_epoch = epoch
+        t.logs = dict(t.resume_logs) if self.offset else {}
+        fire(t.callbacks, "train_epoch_start", t, self.keras_model, epoch=epoch, logs=t.logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        fire(self.trainer.callbacks, "train_batch_start", self.trainer, self.keras_model,
+             batch=None, batch_idx=self.offset + batch, logs=logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        t, index = self.trainer, self.offset + batch
+        last = index + 1 == t.num_training_batches
+        t.last_batch_size = self.samples - index * self.size if last else self.size
+        t.progress_step = t.current_epoch * t.num_training_batches + index + 1
+        t.global_step += 1
+        logs = {k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0}
+        self.batch_logs = logs
+        fire(t.callbacks, "train_batch_end", t, self.keras_model, outputs=logs, batch=None,
+             batch_idx=index, logs=logs)
+        if self.watch.should_stop():  # collective: every rank stops after this step
+            self.stop_at = index + 1
+            t.train_sums = self.sums(logs, self.stop_at)
+            self.keras_model.stop_training = True
+
+    def _stopping(self) -> bool:
+        # Keras still validates and ends the epoch after a stop inside it; the epoch
+        # is not over, so none of that reaches the Trainer.
+        return self.stop_at is not None
+
+    def on_test_begin(self, logs=None):
+        if not self._stopping():
+            fire(self.trainer.callbacks, "validation_start", self.trainer, self.keras_model,
+                 logs=self.trainer.logs)
+            fire(self.trainer.callbacks, "validation_epoch_start", self.trainer, self.keras_model)
+
+    def on_test_batch_end(self, batch, logs=None):
+        if not self._stopping():
+            logs = {k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0}
+            fire(self.trainer.callbacks, "validation_batch_end", self.trainer, self.keras_model,
+                 outputs=logs, batch=None, batch_idx=batch)
+
+    def on_test_end(self, logs=None):
+        if not self._stopping():
+            fire(self.trainer.callbacks, "validation_epoch_end", self.trainer, self.keras_model)
+            fire(self.trainer.callbacks, "validation_end", self.trainer, self.keras_model,
+                 logs=self.trainer.logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._stopping():
+            return
+        t, logs_in = self.trainer, logs
+        logs = {k: float(v) for k, v in (logs or {}).items()}
+        train = {k: v for k, v in logs.items() if not k.startswith("val_")}
+        if self.offset:  # resumed mid-epoch: this call saw the epoch's last batches only
+            train = {k: s / n for k, (s, n) in
+                     self.sums(train, t.num_training_batches).items() if n}
+        t.logs.update({**logs, **train})
+        # MetricAveraging weighs each rank's value by its sample count, as for torch:
+        # training shards are padded to one size, validation shards may differ by one.
+        t.train_sums = {
+            k: (v * (self.val_samples if k.startswith("val_") else 1),
+                self.val_samples if k.startswith("val_") else 1)
+            for k, v in t.logs.items() if isinstance(v, (int, float))}
+        fire(t.callbacks, "train_epoch_end", t, self.keras_model, epoch=epoch, logs=t.logs)
+        t.history.append({"epoch": epoch, **t.logs})
+        t.epochs_completed += 1
+        if logs_in is not None:
+            logs_in.update(t.logs)  # Keras' own History sees the averaged values
+        if t.should_stop:
+            self.keras_model.stop_training = True
+
+    def end(self) -> None:
+        """After the last epoch: the Trainer's train_end and fit_end."""
+        t = self.trainer
+        fire(t.callbacks, "train_end", t, self.keras_model, logs=t.history.last)
+        fire(t.callbacks, "fit_end", t, self.keras_model)
+
+
+def _bridge(trainer, model, samples: int, size: int, val_samples: int, watch):
+    """A keras Callback with :class:`_BridgeHooks`' hooks (Keras is imported lazily)."""
     import keras
 
-    callbacks = trainer.callbacks
+    class _Bridge(_BridgeHooks, keras.callbacks.Callback):
+        pass
 
-    class _Bridge(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            trainer.optimizer = model.optimizer
-            fire(callbacks, "fit_start", trainer, model, logs=dict(logs or {}))
-            fire(callbacks, "train_start", trainer, model)
+    return _Bridge(trainer, model, samples, size, val_samples, watch)
 
-        def on_epoch_begin(self, epoch, logs=None):
-            trainer.current_epoch, trainer.logs = epoch, {}
-            fire(callbacks, "train_epoch_start", trainer, model, epoch=epoch, logs=trainer.logs)
 
-        def on_train_batch_begin(self, batch, logs=None):
-            fire(callbacks, "train_batch_start", trainer, model, batch=None, batch_idx=batch,
-                 logs=logs)
+# ---------------------------------------------------------------------- resume state
 
-        def on_train_batch_end(self, batch, logs=None):
-            last = batch + 1 == trainer.num_training_batches
-            trainer.last_batch_size = samples - batch * size if last else size
-            trainer.progress_step = trainer.current_epoch * trainer.num_training_batches + batch + 1
-            trainer.global_step += 1
-            logs = {k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0}
-            fire(callbacks, "train_batch_end", trainer, model, outputs=logs, batch=None,
-                 batch_idx=batch, logs=logs)
+def _seed_variables(model) -> list:
+    """The model's random-seed states (dropout etc.): variables that are not weights."""
+    weights = {id(v) for v in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
 
-        def on_test_begin(self, logs=None):
-            fire(callbacks, "validation_start", trainer, model, logs=trainer.logs)
-            fire(callbacks, "validation_epoch_start", trainer, model)
 
-        def on_test_batch_end(self, batch, logs=None):
-            logs = {k: float(v) for k, v in (logs or {}).items() if np.ndim(v) == 0}
-            fire(callbacks, "validation_batch_end", trainer, model, outputs=logs, batch=None,
-                 batch_idx=batch)
+def _build_optimizer(model) -> None:
+    import keras
 
-        def on_test_end(self, logs=None):
-            fire(callbacks, "validation_epoch_end", trainer, model)
-            fire(callbacks, "validation_end", trainer, model, logs=trainer.logs)
+    optimizer = model.optimizer
+    if not optimizer.built:
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(model.trainable_variables)
 
-        def on_epoch_end(self, epoch, logs=None):
-            trainer.logs.update({k: float(v) for k, v in (logs or {}).items()})
-            # MetricAveraging weighs each rank's value by its sample count, as for torch:
-            # training shards are padded to one size, validation shards may differ by one.
-            trainer.train_sums = {
-                k: (v * (val_samples if k.startswith("val_") else 1),
-                    val_samples if k.startswith("val_") else 1)
-                for k, v in trainer.logs.items() if isinstance(v, (int, float))}
-            fire(callbacks, "train_epoch_end", trainer, model, epoch=epoch, logs=trainer.logs)
-            trainer.history.append({"epoch": epoch, **trainer.logs})
-            trainer.epochs_completed += 1
-            if logs is not None:
-                logs.update(trainer.logs)
-            if trainer.should_stop:
-                model.stop_training = True
 
-        def on_train_end(self, logs=None):
-            fire(callbacks, "train_end", trainer, model, logs=trainer.history.last)
-            fire(callbacks, "fit_end", trainer, model)
+def optimizer_state(model) -> Dict[str, list]:
+    """What a Keras model's checkpoint holds besides its weights (``keras_optimizer``):
+    the optimizer's variables (step count, learning rate, slots) and the seed states."""
+    _build_optimizer(model)
+    return {"optimizer": [np.asarray(v) for v in model.optimizer.variables],
+            "seeds": [np.asarray(v) for v in _seed_variables(model)]}
 
-    return _Bridge()
+
+def _assign(variables: list, values: list, what: str, path: str) -> None:
+    shapes = [tuple(np.shape(v)) for v in values]
+    if shapes != [tuple(v.shape) for v in variables]:
+        raise ConfigError(f"The checkpoint {path} does not fit this model's {what} "
+                          f"({len(values)} saved, {len(variables)} here); resume with the "
+                          f"model and optimizer it was saved from. Received: {shapes[:4]}...")
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def _restore(trainer, model, watch, sample) -> Optional[dict]:
+    """Loads the checkpoint to resume from (:func:`bpstrain.trainer._resume.load`): the
+    weights, the optimizer's variables, the seed states and the Trainer's progress.
+    ``sample``: one input batch, to build a model that is built lazily."""
+    from bpstrain.keras.callbacks import _model_is_built
+
+    loaded = _resume.load(trainer, watch)
+    if loaded is None:
+        return None
+    path, ckpt = loaded
+    state = ckpt.get("keras_optimizer")
+    if state is None:
+        raise ConfigError(f"The checkpoint {path} holds no Keras model state (written by a "
+                          "torch module's fit?); resume a Keras model from its own "
+                          f"checkpoint. Received: trainer.resume={trainer.config.trainer.resume!r}")
+    if not _model_is_built(model):
+        model(sample)
+    _assign(model.weights, list(ckpt["model"]), "weights", path)
+    _build_optimizer(model)
+    _assign(model.optimizer.variables, state["optimizer"], "optimizer variables", path)
+    _assign(_seed_variables(model), state["seeds"], "seed states", path)
+    _resume.restore_progress(trainer, model, path, ckpt)
+    return ckpt
+
+
+def _epoch_order(samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """This rank's sample order in ``epoch``: a function of the seed and the epoch, so
+    a resumed run draws the batches the interrupted one would have."""
+    if not shuffle:
+        return np.arange(samples)
+    return np.random.default_rng([seed, epoch]).permutation(samples)
 
 
 def fit_keras(trainer, model, data: Any, val_data: Any) -> History:
-    """Trains a Keras model on this rank's shard with ``model.fit``; returns the history."""
+    """Trains a Keras model on this rank's shard with ``model.fit``; returns the history.
+
+    Raises:
+        bpstrain.trainer.Preempted: After the checkpoint SIGUSR1 asked for
+            (:mod:`bpstrain.trainer._preempt`).
+    """
+    with _preempt.Watch(trainer, _preempt.mode(trainer.config)) as watch:
+        return _fit_keras(trainer, model, data, val_data, watch)
+
+
+def _fit_keras(trainer, model, data: Any, val_data: Any, watch) -> History:
     from bpstrain.keras import BytePSCallback
 
     cfg = trainer.config
-    if cfg.trainer.resume:
-        raise ConfigError("trainer.resume is supported for torch modules only; restore Keras "
-                          "weights with model.load_weights(). "
-                          f"Received: trainer.resume={cfg.trainer.resume!r}")
     x, y = _train_shard(*_arrays(data, "data"), trainer.rank, trainer.size)
     batch = int(cfg.trainer.batch_size)
     if cfg.trainer.steps:
@@ -313,15 +454,32 @@ def fit_keras(trainer, model, data: Any, val_data: Any) -> History:
     trainer.module = model
     trainer.num_training_batches = math.ceil(len(x) / batch)
     trainer.num_val_batches = math.ceil(len(validation[0]) / batch) if validation else 0
+    seed, shuffle = int(cfg.trainer.seed), bool(cfg.data.shuffle)
     with precision_policy(model, str(cfg.trainer.precision)):
         _compile(model, cfg, trainer.size, compression=trainer.comm.compression_policy())
+        ckpt = _restore(trainer, model, watch, x[:1])
+        _compression_state.restore(trainer, ckpt)  # each rank its own residuals
+        bridge = _bridge(trainer, model, len(x), batch,
+                         len(validation[0]) if validation is not None else 0, watch)
         # Our MetricAveraging averages the logs (so torch and Keras behave the same).
-        keras_callbacks = [BytePSCallback(average_metrics=False),
-                           _bridge(trainer, model, len(x), batch,
-                                   len(validation[0]) if validation is not None else 0)]
-        model.fit(x, y, batch_size=batch, epochs=trainer.max_epochs,
-                  validation_data=validation, validation_freq=max(int(cfg.trainer.val_every), 1),
-                  shuffle=bool(cfg.data.shuffle), callbacks=keras_callbacks, verbose=0)
+        keras_callbacks = [BytePSCallback(average_metrics=False), bridge]
+        every = max(int(cfg.trainer.val_every), 1)
+        for epoch in range(trainer.current_epoch, trainer.max_epochs):
+            start, trainer.resume_batch = trainer.resume_batch, 0
+            bridge.begin_epoch(start, trainer.resume_sums if start else {})
+            # One model.fit per epoch on the epoch's order: a mid-epoch resume starts at
+            # the next batch of the same order.
+            index = _epoch_order(len(x), seed, epoch, shuffle)[start * batch:]
+            model.fit(x[index], y[index], batch_size=batch, epochs=epoch + 1,
+                      initial_epoch=epoch, shuffle=False, callbacks=keras_callbacks,
+                      validation_data=validation if (epoch + 1) % every == 0 else None,
+                      verbose=0)
+            if bridge.stop_at is not None:
+                _preempt.save_and_stop(trainer, watch, epoch, bridge.stop_at,
+                                       types.SimpleNamespace(seed=seed, shuffle=shuffle))
+            if trainer.should_stop:
+                break
+        bridge.end()
     return trainer.history
 
 

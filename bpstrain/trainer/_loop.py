@@ -18,10 +18,9 @@ from typing import Any, Dict, Optional
 import torch
 
 from bpstrain.config import ConfigError
-from bpstrain.trainer import _compression_state, _data, _optim, _preempt
+from bpstrain.trainer import _compression_state, _data, _optim, _preempt, _resume
 from bpstrain.trainer._dispatch import fire, module_hook
 from bpstrain.trainer._precision import Precision, optimizer_step
-from bpstrain.trainer.callbacks.checkpoint import find_last_checkpoint, read_checkpoint
 from bpstrain.trainer.history import History
 
 Sums = Dict[str, list]
@@ -104,33 +103,15 @@ def _means(sums: Sums) -> Dict[str, float]:
 
 
 def _restore(trainer, module, optimizers: list, watch=None) -> Optional[dict]:
-    """Loads the checkpoint ``trainer.resume`` names; rank 0 reads it, everyone gets it.
-
-    Reading on rank 0 only makes every rank take the same decision (resume or start
-    fresh) and works when the other ranks cannot see ``out_dir``. Without
-    ``trainer.resume``, a requeued Slurm job resumes from its own preemption checkpoint
-    (:mod:`bpstrain.trainer._preempt`) when there is one.
+    """Loads the checkpoint to resume from (:func:`bpstrain.trainer._resume.load`) into
+    the module, its optimizers, loss scaler and schedulers, and the Trainer's progress.
 
     Returns:
         The checkpoint loaded (None: starting fresh), for what is restored after the
         optimizers are wrapped (the compressors' error-feedback state).
     """
-    resume = trainer.config.trainer.resume
-    job = not resume and watch is not None and watch.how == "requeue"
-    if not resume and not job:
-        return None
-    loaded = None
-    if trainer.rank == 0:
-        if job:
-            path = _preempt.job_resume_path(trainer.config)
-        else:
-            path = find_last_checkpoint(trainer.out_dir) if resume == "auto" else resume
-        loaded = (str(path), read_checkpoint(path)) if path is not None else None
-    loaded = trainer.comm.broadcast_object(loaded, "trainer.resume")
+    loaded = _resume.load(trainer, watch)
     if loaded is None:
-        if not job:
-            trainer.print(f"trainer.resume=auto: no checkpoint in {trainer.out_dir}; "
-                          "starting fresh")
         return None
     path, ckpt = loaded
     hook = module_hook(module, "on_load_checkpoint")
@@ -151,21 +132,9 @@ def _restore(trainer, module, optimizers: list, watch=None) -> Optional[dict]:
     if ckpt.get("lr_schedulers_pending"):  # saved at epoch end, before its scheduler step
         last = (ckpt.get("history") or {}).get("epochs") or [{}]
         _step_epoch_schedulers(trainer, int(ckpt["epoch"]), last[-1])
-    trainer.resumed = True
-    trainer.current_epoch = int(ckpt["epoch"]) + 1
-    trainer.global_step = int(ckpt.get("global_step", 0))
-    trainer.history = History.from_dict(ckpt.get("history", {}))
-    states = ckpt.get("callbacks", {})
-    for cb in trainer.callbacks:
-        if cb.state_key in states:
-            cb.load_state_dict(states[cb.state_key])
     if trainer.rank == 0 and ckpt.get("rng") is not None:
         torch.set_rng_state(ckpt["rng"])
-    _preempt.restore_position(trainer, ckpt)  # saved mid-epoch: at the next batch
-    fire(trainer.callbacks, "load_checkpoint", trainer, module, checkpoint=ckpt)
-    where = f"epoch {trainer.current_epoch}" + (
-        f", batch {trainer.resume_batch}" if trainer.resume_batch else "")
-    trainer.print(f"resumed from {path} ({where})")
+    _resume.restore_progress(trainer, module, path, ckpt)
     return ckpt
 
 

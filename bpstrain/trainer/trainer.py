@@ -377,7 +377,8 @@ class Trainer:
         return self._evaluate("predict", model, data)
 
     def checkpoint_state(self) -> Dict[str, Any]:
-        """Everything a resume needs, as one picklable dict (torch models)."""
+        """Everything a resume needs, as one picklable dict (torch modules and Keras
+        models: weights, then the optimizer's variables as ``keras_optimizer``)."""
         import torch
 
         from bpstrain import __version__
@@ -405,6 +406,10 @@ class Trainer:
             "lr_schedulers_pending": self.schedulers_pending,
             "run_name": self.run_name,
         }
+        if keras and getattr(self.module, "optimizer", None) is not None:
+            from bpstrain.trainer._keras import optimizer_state
+
+            state["keras_optimizer"] = optimizer_state(self.module)
         compression = _compression_state.checkpoint_entry(self)
         if compression is not None:  # every rank's error feedback (see _compression_state)
             state[_compression_state.CHECKPOINT_KEY] = compression

@@ -46,3 +46,50 @@ def test_uncompiled_keras_model_is_compiled_from_config(tmp_path):
     assert "accuracy" in history.last and model.compiled
     with pytest.raises(TypeError, match="Received: str"):
         Trainer(base_config(tmp_path)).fit(model, "x")
+
+
+def _dropout_model(seed: int = 0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dropout(0.3), keras.layers.Dense(4)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.timeout(120)
+def test_keras_model_resumes_from_an_epoch_checkpoint_as_if_never_stopped(tmp_path):
+    import numpy as np
+
+    from bpstrain.trainer import Trainer
+
+    x, y = blobs(128)
+    cfg = {"trainer.epochs": 3, "trainer.batch_size": 16, "trainer.checkpoint_every": 1}
+    whole = _dropout_model()
+    Trainer(base_config(tmp_path / "whole", **cfg)).fit(whole, (x, y))
+
+    first = _dropout_model()
+    Trainer(base_config(tmp_path / "run", **{**cfg, "trainer.epochs": 2})).fit(first, (x, y))
+    resumed = _dropout_model(seed=1)  # other initial weights and seeds: all come back
+    trainer = Trainer(base_config(tmp_path / "run", **cfg, **{"trainer.resume": "auto"}))
+    history = trainer.fit(resumed, (x, y))
+    assert trainer.resumed and [e["epoch"] for e in history.to_dict()["epochs"]] == [0, 1, 2]
+    assert int(resumed.optimizer.iterations.numpy()) == 3 * 8
+    for a, b in zip(whole.variables, resumed.variables):  # weights and dropout seeds
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.timeout(120)
+def test_keras_resume_from_a_torch_checkpoint_is_a_clear_error(tmp_path):
+    from bpstrain.config import ConfigError
+    from bpstrain.trainer import Trainer
+    from tests.trainer.helpers import tiny_net
+
+    x, y = blobs(64)
+    cfg = {"trainer.epochs": 1, "trainer.batch_size": 16, "trainer.checkpoint_every": 1}
+    Trainer(base_config(tmp_path, **cfg)).fit(tiny_net(), (x, y))
+    with pytest.raises(ConfigError) as err:
+        Trainer(base_config(tmp_path, **{**cfg, "trainer.resume": "auto", "trainer.epochs": 2})
+                ).fit(_dropout_model(), (x, y))
+    assert "holds no Keras model state" in str(err.value)

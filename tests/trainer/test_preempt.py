@@ -1,5 +1,8 @@
 """SIGUSR1 (Slurm's pre-timeout signal) -> checkpoint mid-epoch -> resume at the next batch.
 
+For torch modules and for Keras models (keras_preempt_fit.py: every step logs a hash of
+all the model's variables, dropout seeds included).
+
 A launched 2-worker job (the local launcher) is signalled on one rank only; both ranks
 stop after the same step, rank 0 saves; a second run resumes. Its step log (epoch, batch,
 hash of the batch, loss after dropout) appended to the first run's must equal an
@@ -19,12 +22,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "trainer" / "scripts" / "preempt_fit.py"
+KERAS_SCRIPT = SCRIPT.with_name("keras_preempt_fit.py")
 
 
-def _launch(out_dir, log_dir, *extra, env=None):
+def _launch(out_dir, log_dir, *extra, env=None, script=SCRIPT):
     return subprocess.Popen(
         [sys.executable, "-m", "bpstrain.launch", "--workers", "2", "--servers", "1", "--",
-         sys.executable, str(SCRIPT), str(out_dir), str(log_dir), *extra],
+         sys.executable, str(script), str(out_dir), str(log_dir), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
@@ -146,3 +150,54 @@ def test_one_worker_in_process_stops_at_the_signal_and_resumes_exactly(tmp_path,
     assert (tmp_path / "run.log").read_text() == (tmp_path / "whole.log").read_text()
     for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def _signal_rank1_after(proc, log_dir, lines):
+    """Sends SIGUSR1 to rank 1 once it has logged ``lines`` steps (as Slurm would)."""
+    deadline = time.monotonic() + 120
+    while len(_lines(log_dir, 1)) < lines:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    os.kill(int((Path(log_dir) / "rank1.pid").read_text()), signal.SIGUSR1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("compression", ["none", "onebit"])
+def test_keras_model_checkpoints_mid_epoch_and_resumes_with_every_step_equal(
+        tmp_path, monkeypatch, compression):
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    monkeypatch.setenv("BPSTRAIN_COMPRESSION", compression)
+    monkeypatch.setenv("BPSTRAIN_COMPRESSION_MIN_SIZE", "0")
+    whole = _finish(_launch(tmp_path / "whole", tmp_path / "whole_log", script=KERAS_SCRIPT))
+    expected = _records(whole, "RESULT")
+    assert sorted(expected) == [0, 1] and expected[0]["steps"] == 3 * 16, whole
+
+    env = {"BPSTRAIN_PREEMPT": "1", "PREEMPT_STEP_SLEEP": "0.1"}
+    proc = _launch(tmp_path / "run", tmp_path / "log", env=env, script=KERAS_SCRIPT)
+    _signal_rank1_after(proc, tmp_path / "log", 20)  # into the second epoch
+    out = _finish(proc)
+    stopped = _records(out, "PREEMPTED")
+    assert sorted(stopped) == [0, 1], out
+    step = stopped[0]["step"]
+    assert stopped[1]["step"] == step and 20 <= step < 48, out
+    import torch
+
+    saved = torch.load(stopped[0]["path"], map_location="cpu", weights_only=False)
+    assert saved["position"]["batch"] == step % 16 and len(saved["position"]["ranks"]) == 2
+    assert len(saved["keras_optimizer"]["optimizer"]) == 6  # iterations, lr, 4 momenta
+    assert (saved.get("compression_states") is not None) == (compression != "none")
+    assert all(len(_lines(tmp_path / "log", r)) == step for r in (0, 1))
+
+    resumed = _finish(_launch(tmp_path / "run", tmp_path / "log", "auto", script=KERAS_SCRIPT))
+    assert "resumed from" in resumed and f"batch {step % 16}" in resumed, resumed
+    got = _records(resumed, "RESULT")
+    for rank in (0, 1):
+        # Every step's weights and seeds, before and after the restart, bit for bit.
+        assert _lines(tmp_path / "log", rank) == _lines(tmp_path / "whole_log", rank)
+        assert got[rank]["steps"] == 48 and got[rank]["iterations"] == 48
+        assert got[rank]["weights"] == expected[rank]["weights"]
+    # The interrupted epoch's metrics: its two parts' sums give the uninterrupted means.
+    for a, b in zip(got[0]["history"], expected[0]["history"]):
+        assert a.keys() == b.keys() and a == pytest.approx(b, rel=1e-5), (a, b)
+    rows = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 1 + 3
