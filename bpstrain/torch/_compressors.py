@@ -109,6 +109,15 @@ def _restore(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return flat.view(like.shape).to(like.dtype)
 
 
+def copy_result(grad: torch.Tensor, result: torch.Tensor) -> None:
+    """Puts a compressor's result into ``grad``, unless it is there already (an
+    in-place push_pull wrote into ``grad``'s own memory)."""
+    same = (result.data_ptr() == grad.data_ptr() and result.shape == grad.shape
+            and result.stride() == grad.stride() and result.dtype == grad.dtype)
+    if not same:
+        grad.copy_(result)
+
+
 class GradientCompressor:
     """Base of the stateful compressors (see the module docstring).
 
@@ -125,7 +134,8 @@ class GradientCompressor:
         self._tensors: Dict[str, Dict[str, Any]] = {}
 
     def push_pull_async(self, tensor: torch.Tensor, name: str, average: bool = True,
-                        priority: int = 0, key: Optional[str] = None) -> int:
+                        priority: int = 0, key: Optional[str] = None,
+                        inplace: bool = False) -> int:
         """Starts compressing and push_pulling ``tensor``; returns a handle.
 
         Args:
@@ -134,19 +144,24 @@ class GradientCompressor:
             average: divide the sum over ranks by :func:`size`.
             priority: larger is sent sooner.
             key: identifies the tensor's state (and random seeds) instead of ``name``.
+            inplace: ``tensor`` may be overwritten with the result (the optimizers pass
+                their gradients so): a tensor ``auto`` sends uncompressed then needs no
+                output buffer and no copy back, as with no compression at all.
 
         Returns:
-            A handle for ``bps.synchronize``, which returns a new tensor shaped and typed
-            like ``tensor``.
+            A handle for ``bps.synchronize``, which returns a tensor shaped and typed
+            like ``tensor`` (new, or ``tensor`` itself when ``inplace`` let it be).
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"compression '{self.spec}' keeps state per tensor and needs its name; "
                              f"pass name=... (the same on every rank). Received: name={name!r}")
-        return engine.track(self.start(tensor, name, average, priority, key or name))
+        return engine.track(self.start(tensor, name, average, priority, key or name,
+                                       inplace=inplace))
 
     def start(self, tensor: torch.Tensor, name: str, average: bool, priority: int, key: str,
-              timed: bool = False) -> _Op:
-        """Starts the operation; ``timed`` measures codec time exactly (CUDA: synchronizes)."""
+              timed: bool = False, inplace: bool = False) -> _Op:
+        """Starts the operation; ``timed`` measures codec time exactly (CUDA: synchronizes);
+        ``inplace``: see :meth:`push_pull_async` (compressors that send a copy ignore it)."""
         raise NotImplementedError
 
     def fork(self) -> "GradientCompressor":
@@ -198,7 +213,7 @@ class ClassicCompressor(GradientCompressor):
     def fork(self) -> "ClassicCompressor":
         return ClassicCompressor(self.compressor, self.spec)
 
-    def start(self, tensor, name, average, priority, key, timed=False):
+    def start(self, tensor, name, average, priority, key, timed=False, inplace=False):
         clock = _Clock(tensor.device, timed)
         with clock:
             compressed, ctx = self.compressor.compress(tensor.detach())
@@ -214,7 +229,7 @@ class ByteCodecCompressor(GradientCompressor):
     the answer is compressed too. Worker-side error feedback: residual = input +
     previous residual − what the sent blob decodes to."""
 
-    def start(self, tensor, name, average, priority, key, timed=False):
+    def start(self, tensor, name, average, priority, key, timed=False, inplace=False):
         spec = self.spec
         x = _flat32(tensor, spec)
         st = self._state(key)
@@ -302,7 +317,7 @@ class RandomKCompressor(GradientCompressor):
     key, step) (:func:`bpstrain._codec.randomk_indices`), pushed as plain float32 (the
     servers sum them as any tensor) and scattered back."""
 
-    def start(self, tensor, name, average, priority, key, timed=False):
+    def start(self, tensor, name, average, priority, key, timed=False, inplace=False):
         spec = self.spec
         x = _flat32(tensor, spec)
         st = self._state(key)
@@ -408,7 +423,7 @@ class PowerSGDCompressor(GradientCompressor):
     where P and Q would not be smaller, go uncompressed.
     """
 
-    def start(self, tensor, name, average, priority, key, timed=False):
+    def start(self, tensor, name, average, priority, key, timed=False, inplace=False):
         spec = self.spec
         x = _flat32(tensor, spec)
         rows = tensor.shape[0] if tensor.dim() >= 2 else 0
@@ -448,10 +463,11 @@ class AutoCompressor(GradientCompressor):
     def fork(self) -> "AutoCompressor":
         return AutoCompressor(self.spec, self.inner.fork())
 
-    def start(self, tensor, name, average, priority, key, timed=False):
+    def start(self, tensor, name, average, priority, key, timed=False, inplace=False):
         phase = self.policy.phase(key, name)
         if phase in ("on", "measure"):
-            op = self.inner.start(tensor, name, average, priority, key, timed or phase == "measure")
+            op = self.inner.start(tensor, name, average, priority, key,
+                                  timed or phase == "measure", inplace)
             if phase == "measure":
                 op.done_callback = lambda o: self.policy.record_codec(key, o.codec_seconds,
                                                                       o.raw_bytes, o.sent_bytes)
@@ -459,9 +475,13 @@ class AutoCompressor(GradientCompressor):
         x = tensor.detach()
         residual = self.inner.take_residual(key)
         if residual is not None:
-            x = _restore(x.reshape(-1).to(torch.float32) + residual.to(x.device), tensor)
+            x, inplace = _restore(x.reshape(-1).to(torch.float32) + residual.to(x.device),
+                                  tensor), True  # x is our own copy
         began = time.perf_counter()
-        handle = _ops.push_pull_async(x, average=average, name=f"{name}.raw", priority=priority)
+        # In place where allowed: a new output buffer (page faults) and a copy back cost
+        # what the codec saved on a fast link.
+        start = _ops.push_pull_async_inplace if inplace else _ops.push_pull_async
+        handle = start(x, average=average, name=f"{name}.raw", priority=priority)
         op = _Op(handle, lambda out: out, _Clock(x.device, False), x.numel() * x.element_size(),
                  x.numel() * x.element_size())
         if phase == "raw":
@@ -529,9 +549,9 @@ class PolicyCompressor(GradientCompressor):
         """The classic compressor of fused buckets (see ``CompressionPolicy.bucket_spec``)."""
         return self.compressor(self.policy.bucket_spec()).compressor
 
-    def start(self, tensor, name, average, priority, key, timed=False):
+    def start(self, tensor, name, average, priority, key, timed=False, inplace=False):
         spec = self.policy.spec_for(key, tensor.numel())
-        return self.compressor(spec).start(tensor, name, average, priority, key, timed)
+        return self.compressor(spec).start(tensor, name, average, priority, key, timed, inplace)
 
     def state_dict(self):
         return {"policy": repr(self.policy),

@@ -144,7 +144,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         stateful = self._bps_stateful.get(id(p))
         if stateful is not None:  # its handle's result is the average itself
             handle = stateful.push_pull_async(grad, self._bps_names[id(p)], self._bps_average,
-                                              self._bps_priority[id(p)], key=self._bps_keys[id(p)])
+                                              self._bps_priority[id(p)], key=self._bps_keys[id(p)],
+                                              inplace=True)
             return handle, (None, None)
         compression = self._bps_classic.get(id(p), self._bps_compression)
         compressed, ctx = compression.compress(grad)
@@ -193,7 +194,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compressed, cctx = ctx
         result = ops.synchronize(handle)
         if compressed is None:  # a stateful compressor's result
-            p.grad.copy_(result)
+            _compressors.copy_result(p.grad, result)
         elif compressed is not p.grad:
             compression = self._bps_classic.get(id(p), self._bps_compression)
             p.grad.copy_(compression.decompress(compressed, cctx))

@@ -120,7 +120,8 @@ class DistributedDataParallel(torch.nn.Module):
         stateful = self._stateful.get(id(p))
         if stateful is not None:  # its handle's result is the average itself
             handle = stateful.push_pull_async(p.grad, self._names[id(p)], True,
-                                              self._priority[id(p)], key=self._keys[id(p)])
+                                              self._priority[id(p)], key=self._keys[id(p)],
+                                              inplace=True)
             return handle, None, None
         compressed, ctx = self._classic.get(id(p), self._compression).compress(p.grad)
         handle = ops.push_pull_async_inplace(compressed, average=True, name=self._names[id(p)],
@@ -138,7 +139,7 @@ class DistributedDataParallel(torch.nn.Module):
             for p, handle, compressed, ctx, had_grad in self._handles.values():
                 result = ops.synchronize(handle)
                 if compressed is None:
-                    p.grad.copy_(result)
+                    _compressors.copy_result(p.grad, result)
                 elif compressed is not p.grad:
                     compression = self._classic.get(id(p), self._compression)
                     p.grad.copy_(compression.decompress(compressed, ctx))

@@ -265,6 +265,25 @@ def test_auto_turns_off_where_compression_costs_more_than_it_saves(standalone, c
     assert restored.decision("a") is False  # sticky across a checkpoint
 
 
+@pytest.mark.timeout(60)
+def test_auto_switched_off_sends_an_optimizers_gradient_in_place(standalone):
+    from bpstrain.torch import _compressors
+
+    off = bps.Compression.auto("onebit", steps=1, bandwidth=1e15)
+    x = torch.randn(64, 64)
+    for _ in range(3):  # measure, then decided off
+        bps.push_pull(x, name="g", compression=off)
+    assert off.decision("g") is False
+    grad, before = x.clone(), x.clone()
+    out = bps.synchronize(off.push_pull_async(grad, "g", inplace=True))
+    # The optimizers' path: no new output buffer, nothing to copy back.
+    assert out.data_ptr() == grad.data_ptr() and torch.equal(grad, before)
+    _compressors.copy_result(grad, out)
+    kept = x.clone()
+    out = bps.synchronize(off.push_pull_async(kept, "g"))  # the functional API's default
+    assert out.data_ptr() != kept.data_ptr() and torch.equal(out, x)
+
+
 def test_auto_policy_measures_an_uncompressed_push_pull_without_a_bandwidth():
     policy = AutoPolicy(steps=2, reduce=lambda values, name: values)
     assert policy.phase("t", "t") == "raw"
