@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--scheduler", choices=["own", "host0"], default="own",
                     help="scheduler on its own host or on worker host 0")
     cl.add_argument("--latency-ms", type=float, default=20.0, help="tbf queue latency")
+    cl.add_argument("--transports", nargs="+", default=["tcp"],
+                    help="run the bpstrain jobs over each comm.transport (tcp, ucx, "
+                    "ucx:<UCX_TLS>), same hosts, same run")
     cl.add_argument("--mixed", action="store_true",
                     help="also a server on every worker host (BytePS's mixed mode); "
                     "--servers then counts dedicated server hosts, 0 allowed")
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                 workers=args.workers, servers=args.servers, sizes=args.sizes,
                 rate_mbit=args.rate_mbit, partitions=args.partition_bytes,
                 iters=args.iters, warmup=args.warmup, scheduler=args.scheduler,
-                gloo=args.gloo, latency_ms=args.latency_ms, mixed=args.mixed))
+                gloo=args.gloo, latency_ms=args.latency_ms, mixed=args.mixed,
+                transports=args.transports))
             title = (f"emulated cluster, {args.rate_mbit:g} Mbit/s per host "
                      "(n workers, k servers; vs gloo = gloo time / time)")
             text, records = format_table(rows), [r.as_dict() for r in rows]

@@ -11,12 +11,14 @@ With ``mixed`` every worker host also runs a server (BytePS's mixed mode) and th
 then :func:`bpstrain.bench.bounds.mixed_bound_s`.
 
 Every host's upload and download are capped at ``rate_mbit``; the bounds use
-that rate as B (see ``bpstrain.bench.bounds``).
+that rate as B (see ``bpstrain.bench.bounds``). ``transports`` runs the bpstrain jobs
+once per ``comm.transport`` (``tcp``, ``ucx:tcp``, ...), on the same hosts in the same run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 from collections.abc import Sequence
 
@@ -42,6 +44,7 @@ class ClusterPlan:
     gloo: bool = True
     latency_ms: float = 20.0
     mixed: bool = False
+    transports: Sequence[str] = ("tcp",)
 
     def __post_init__(self) -> None:
         if self.scheduler not in ("own", "host0"):
@@ -90,19 +93,22 @@ def run(plan: ClusterPlan, log=None) -> list[Row]:
                 rows += [Row("gloo", n, None, m, t, link_bps=link,
                              bound_s=bounds.ring_bound_s(m, n, link))
                          for m, t in reduce_times(payloads).items()]
-            for k in plan.servers:
-                for part in plan.partitions:
-                    log(f"[bench] bpstrain push_pull, {n} worker hosts, {k} server hosts"
-                        + (" + a server on each worker host" if plan.mixed else "")
-                        + (f", partition {bounds.format_size(part)}" if part else ""))
-                    layout = _jobs.Layout(worker_hosts, server_pool[:k], scheduler_host,
-                                          colocated=plan.mixed)
-                    payloads = _jobs.run_bpstrain(hosts, layout, plan.cases(),
-                                                  plan.timeout_s(n, k), part)
-                    rows += [Row("bpstrain-mixed" if plan.mixed else "bpstrain", n, k, m, t,
-                                 partition_bytes=part, link_bps=link,
-                                 bound_s=_bound(plan.mixed, m, n, k, link))
-                             for m, t in reduce_times(payloads).items()]
+            for k, part, transport in itertools.product(plan.servers, plan.partitions,
+                                                        plan.transports):
+                log(f"[bench] bpstrain push_pull, {n} worker hosts, {k} server hosts"
+                    + (" + a server on each worker host" if plan.mixed else "")
+                    + (f", partition {bounds.format_size(part)}" if part else "")
+                    + (f", transport {transport}" if transport != "tcp" else ""))
+                layout = _jobs.Layout(worker_hosts, server_pool[:k], scheduler_host,
+                                      colocated=plan.mixed)
+                payloads = _jobs.run_bpstrain(hosts, layout, plan.cases(),
+                                              plan.timeout_s(n, k), part,
+                                              {"BPSTRAIN_TRANSPORT": transport})
+                system = "bpstrain-mixed" if plan.mixed else "bpstrain"
+                rows += [Row(system if transport == "tcp" else f"{system} {transport}",
+                             n, k, m, t, partition_bytes=part, link_bps=link,
+                             bound_s=_bound(plan.mixed, m, n, k, link))
+                         for m, t in reduce_times(payloads).items()]
     attach_gloo(rows)
     return _sorted(rows)
 
