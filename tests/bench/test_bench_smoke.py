@@ -36,3 +36,22 @@ def test_cluster_bench_prints_table(capsys):
     out = capsys.readouterr().out.splitlines()
     assert sorted(line.split()[0] for line in out[3:]) == ["bpstrain", "gloo"]
     assert emulated.list_namespaces(f"{emulated.DEFAULT_PREFIX}{os.getpid()}x") == []
+
+
+def _has_ucx() -> bool:
+    from tests.engine.conftest import _ucx_available
+
+    return _ucx_available()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not emulated.available()[0], reason=emulated.available()[1])
+def test_cluster_bench_runs_each_transport_on_the_same_hosts(capsys):
+    if not _has_ucx():
+        pytest.skip("this build or machine has no UCX")
+    assert main(["cluster", "--workers", "2", "--servers", "1", "--sizes", "256K",
+                 "--rate-mbit", "400", "--iters", "2", "--warmup", "1", "--no-gloo",
+                 "--transports", "tcp", "ucx:tcp"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:]]
+    assert [r[:2] for r in rows] == [["bpstrain", "2"], ["bpstrain", "ucx:tcp"]]
+    assert emulated.list_namespaces(f"{emulated.DEFAULT_PREFIX}{os.getpid()}x") == []
