@@ -186,14 +186,14 @@ def run_accuracy(args, session: _Session) -> dict:
 
     from bpstrain.models.data import digits_dataset
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = _digits_model(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     model, optimizer = session.wrap(model, optimizer)
     train, test = digits_dataset("train"), digits_dataset("test")
     x, y = train.tensors
     shard = torch.arange(session.rank, len(y), session.size)
-    gen = torch.Generator().manual_seed(1000 + session.rank)
+    gen = torch.Generator().manual_seed(1000 + session.rank + 7919 * args.seed)
     explicit_sync = hasattr(optimizer, "synchronize")
 
     def accuracy() -> float:
@@ -245,6 +245,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--hidden", type=int, default=4096, help="digits_mlp's hidden width")
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0, help="accuracy: initial weights and batches")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)

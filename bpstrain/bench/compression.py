@@ -97,6 +97,7 @@ class CompressionPlan:
     acc_systems: Sequence[str] = ACC_SYSTEMS
     acc_model: str = "digits_cnn"
     acc_steps: int = 300
+    acc_seeds: int = 1
     acc_batch: int = 32
     lr: float = 0.05
     eval_every: int = 10
@@ -181,6 +182,7 @@ class AccuracyRow:
     vs_ddp_fp16: float | None = None
     outcome: str = "ok"
     part: str = "accuracy"
+    seed_accuracies: list | None = None  # one per seed; ``accuracy`` is their mean
 
 
 @dataclasses.dataclass
@@ -294,7 +296,10 @@ def run_wire(hosts, plan: CompressionPlan, rate: float | None) -> list[WireRow]:
 
 
 def _train(hosts, plan: CompressionPlan, systems: Sequence[str], model_args: list[str],
-           model: str, steps: int, rate: float | None, target: float | None) -> list[AccuracyRow]:
+           model: str, steps: int, rate: float | None, target: float | None,
+           seeds: int = 1) -> list[AccuracyRow]:
+    """Each system's job, once per seed (0 .. seeds-1: initial weights and batches); the
+    accuracy is the seeds' mean, the step time and time to target the first seed's."""
     rows = []
     args = ["--task", "accuracy", *model_args, "--steps", str(steps), "--batch-size",
             str(plan.acc_batch), "--lr", str(plan.lr), "--eval-every", str(plan.eval_every)]
@@ -304,9 +309,11 @@ def _train(hosts, plan: CompressionPlan, systems: Sequence[str], model_args: lis
         row = AccuracyRow(system, plan.label(system), model, steps, None, rate_mbit=rate,
                           target=target)
         try:
-            payloads = _run_job(hosts, plan, system, args, plan.timeout_s)
-            res = payloads[0]["results"][0]
-            row.accuracy = res["curve"][-1][2]
+            results = [_run_job(hosts, plan, system, [*args, "--seed", str(seed)],
+                                plan.timeout_s)[0]["results"][0] for seed in range(seeds)]
+            res = results[0]
+            row.seed_accuracies = [r["curve"][-1][2] for r in results]
+            row.accuracy = statistics.fmean(row.seed_accuracies)
             row.step_s = statistics.median(res["times"])
             if target is not None:
                 hit = next((c for c in res["curve"] if c[2] >= target), None)
@@ -331,7 +338,7 @@ def _train(hosts, plan: CompressionPlan, systems: Sequence[str], model_args: lis
 def run_accuracy(hosts, plan: CompressionPlan) -> list[AccuracyRow]:
     """Test accuracy of ``plan.acc_model`` after ``plan.acc_steps`` steps per system."""
     return _train(hosts, plan, plan.acc_systems, ["--model", plan.acc_model], plan.acc_model,
-                  plan.acc_steps, None, None)
+                  plan.acc_steps, None, None, plan.acc_seeds)
 
 
 def run_tta(hosts, plan: CompressionPlan, rate: float | None) -> list[AccuracyRow]:
@@ -569,11 +576,14 @@ def format_tables(rows: Sequence, plan: CompressionPlan) -> str:
              for r in wire if r.rate_mbit == rate]))
     acc = [r for r in rows if isinstance(r, AccuracyRow) and r.target is None]
     if acc:
+        seeds = (f", mean of {plan.acc_seeds} seeds (initial weights and batches)"
+                 if plan.acc_seeds > 1 else "")
         out.append(f"\nAccuracy at equal steps: {plan.acc_model}, {acc[0].steps} steps, "
                    f"{plan.hosts} workers, batch {plan.acc_batch} per worker, SGD lr {plan.lr:g} "
-                   "momentum 0.9, digits test split\n")
-        out.append(markdown(["system", "test accuracy", "points vs none", "note"],
+                   f"momentum 0.9, digits test split{seeds}\n")
+        out.append(markdown(["system", "test accuracy", "points vs none", "per seed", "note"],
                           [[r.label, _f(r.accuracy, ".4f"), _f(r.points_vs_none, "+.2f"),
+                            " ".join(f"{a:.4f}" for a in r.seed_accuracies or []),
                             _note(r.outcome)] for r in acc]))
     tta = [r for r in rows if isinstance(r, AccuracyRow) and r.target is not None]
     if tta:
@@ -629,6 +639,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--acc-systems", nargs="+", choices=SYSTEMS, default=list(d.acc_systems))
     a("--acc-model", choices=["digits_cnn", "digits_mlp"], default=d.acc_model)
     a("--acc-steps", type=int, default=d.acc_steps)
+    a("--acc-seeds", type=int, default=d.acc_seeds,
+      help="accuracy part: runs per system (seeds 0..N-1), the table gives their mean")
     a("--acc-batch", type=int, default=d.acc_batch, help="per worker")
     a("--lr", type=float, default=d.lr)
     a("--eval-every", type=int, default=d.eval_every)
@@ -664,6 +676,7 @@ def plan_from_args(args: argparse.Namespace) -> CompressionPlan:
         model=args.model, batch_size=args.batch_size, image_size=args.image_size,
         num_classes=args.num_classes, iters=args.iters, warmup=args.warmup, device=args.device,
         acc_systems=args.acc_systems, acc_model=args.acc_model, acc_steps=args.acc_steps,
+        acc_seeds=args.acc_seeds,
         acc_batch=args.acc_batch, lr=args.lr, eval_every=args.eval_every,
         tta_systems=args.tta_systems, tta_rate_mbit=args.tta_rate_mbit,
         tta_hidden=args.tta_hidden, tta_steps=args.tta_steps, tta_target=args.tta_target,

@@ -26,7 +26,7 @@ def test_loopback_smoke_prints_every_part(capsys, tmp_path):
     assert main(["compression", "--loopback", "--hosts", "2", "--servers", "1",
                  "--model", "digits_mlp", "--iters", "1", "--warmup", "1",
                  "--systems", "onebit", "ddp-fp16", "--acc-systems", "topk",
-                 "--tta-systems", "none", "--acc-steps", "2", "--tta-steps", "2",
+                 "--tta-systems", "none", "--acc-steps", "2", "--acc-seeds", "2", "--tta-steps", "2",
                  "--eval-every", "1", "--tta-hidden", "64", "--tta-target", "0.0",
                  "--kernel-mbytes", "0.25", "--kernel-repeat", "1", "--timeout", "90",
                  "--json", str(out_json)]) == 0
@@ -45,6 +45,10 @@ def test_loopback_smoke_prints_every_part(capsys, tmp_path):
     assert [(r["system"], r["steps"], r["target"] is None) for r in acc] == [
         ("topk", 2, True), ("none", 2, False)]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in acc)
+    # Two seeds: two runs from other weights and batches, the row their mean.
+    seeds = acc[0]["seed_accuracies"]
+    assert len(seeds) == 2 and acc[0]["accuracy"] == pytest.approx(sum(seeds) / 2)
+    assert len(acc[1]["seed_accuracies"]) == 1  # time to accuracy: one run
     assert acc[1]["steps_to_target"] == 1 and acc[1]["time_to_target_s"] > 0
     kernels = {(r["codec"], r["where"].split(",")[0]) for r in rows if r["part"] == "kernels"}
     assert {("onebit", "torch cpu"), ("powersgd", "torch cpu"), ("topk", "server")} <= kernels
