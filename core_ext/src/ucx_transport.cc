@@ -278,6 +278,24 @@ Clock::time_point After(double seconds) {
 // (UCX caches registrations). Each direction of a link has a random 64-bit tag of the
 // receiver's choosing: the header on `tag`, then meta and body, in order, on `tag | 1`.
 // Tags travel once, over the endpoint's stream, when the link opens.
+// The layout of a frame's first message: the header, then the meta when it is at most
+// kInlineMeta bytes, then the body when the meta is inline and the body at most
+// kInlineBody; what is not inline follows as a message of its own (on the tag | 1).
+// Both sides derive it from the header alone, so a message that does not match it is a
+// malformed frame.
+struct FirstMessage {
+  static constexpr size_t kInlineMeta = 64 << 10;
+  static constexpr size_t kInlineBody = 64 << 10;
+  static constexpr size_t kMaxSize = sizeof(FrameHeader) + kInlineMeta + kInlineBody;
+  explicit FirstMessage(const FrameHeader& h)
+      : meta_inline(h.meta_len <= kInlineMeta),
+        body_inline(meta_inline && h.body_len <= kInlineBody),
+        size(sizeof(FrameHeader) + (meta_inline ? h.meta_len : 0) +
+             (body_inline ? static_cast<size_t>(h.body_len) : 0)) {}
+  bool meta_inline, body_inline;
+  size_t size;
+};
+
 class UcxLink : public Link {
  public:
   UcxLink(UcxContext* ctx, std::string peer, std::string peer_host)
@@ -330,9 +348,10 @@ class UcxLink : public Link {
   void LearnPeerTag();
   Clock::time_point ReceiveUntil() const;
   void SendMessage(const void* data, size_t n, uint64_t tag);
-  // Receives one message of exactly n bytes on `tag` into dst; false (eof_ok only) when
-  // the peer is gone before it starts.
-  bool RecvMessage(void* dst, size_t n, uint64_t tag, bool eof_ok);
+  // Receives one message of exactly n bytes on `tag` into dst (of at most n bytes, its
+  // length in *got, when got is given); false (eof_ok only) when the peer is gone before
+  // it starts.
+  bool RecvMessage(void* dst, size_t n, uint64_t tag, bool eof_ok, size_t* got = nullptr);
   // Waits for `request` (posted with `pending`) until `until` (epoch: forever); past it
   // the endpoint is closed, which completes the request, and *timed_out is set.
   // `receiving`: the request is state_'s receive in flight, forgotten before it is freed.
@@ -368,6 +387,10 @@ class UcxLink : public Link {
   uint64_t body_left_ = 0;
   std::vector<char> staged_;
   size_t staged_pos_ = 0;
+  // A frame's first message (header, and meta and body where small): the one being
+  // sent (under send_mu_) and the buffer the reader receives it into.
+  std::vector<char> first_out_;
+  std::vector<char> first_in_;
   double recv_timeout_s_ = 0;
   Clock::time_point deadline_{};
 };
@@ -507,9 +530,17 @@ void UcxLink::Send(FrameHeader h, const std::string& meta, const void* body, uin
   h.body_len = body_len;
   std::lock_guard<std::mutex> lk(send_mu_);  // frames never interleave
   LearnPeerTag();
-  SendMessage(&h, sizeof h, peer_tag_);
-  if (!meta.empty()) SendMessage(meta.data(), meta.size(), peer_tag_ | 1);
-  if (body_len) SendMessage(body, static_cast<size_t>(body_len), peer_tag_ | 1);
+  // One message where the frame is small (each message is a wait for its completion
+  // and a wakeup on the reader's side); large parts follow as messages of their own.
+  const FirstMessage first(h);
+  first_out_.resize(first.size);
+  std::memcpy(first_out_.data(), &h, sizeof h);
+  if (first.meta_inline) std::memcpy(first_out_.data() + sizeof h, meta.data(), meta.size());
+  if (first.body_inline && body_len)
+    std::memcpy(first_out_.data() + sizeof h + meta.size(), body, static_cast<size_t>(body_len));
+  SendMessage(first_out_.data(), first_out_.size(), peer_tag_);
+  if (!first.meta_inline) SendMessage(meta.data(), meta.size(), peer_tag_ | 1);
+  if (!first.body_inline && body_len) SendMessage(body, static_cast<size_t>(body_len), peer_tag_ | 1);
 }
 
 Clock::time_point UcxLink::ReceiveUntil() const {
@@ -521,7 +552,7 @@ Clock::time_point UcxLink::ReceiveUntil() const {
   return until;
 }
 
-bool UcxLink::RecvMessage(void* dst, size_t n, uint64_t tag, bool eof_ok) {
+bool UcxLink::RecvMessage(void* dst, size_t n, uint64_t tag, bool eof_ok, size_t* got_out) {
   // A lost peer's last frames may already be here, so its error does not stop a receive
   // from being posted: one that matches nothing is cancelled below.
   if (down_.load()) {
@@ -556,6 +587,10 @@ bool UcxLink::RecvMessage(void* dst, size_t n, uint64_t tag, bool eof_ok) {
     throw Error(Error::kPeer, "connection to " + peer_ + " closed mid-frame: " + Why(api_, st));
   }
   const size_t got = state_->received.length;
+  if (got_out) {
+    *got_out = got;
+    return true;
+  }
   if (got != n)
     throw FrameError("a UCX message shorter than its frame announced (" + std::to_string(got) + " of " +
                      std::to_string(n) + " bytes)");
@@ -564,11 +599,28 @@ bool UcxLink::RecvMessage(void* dst, size_t n, uint64_t tag, bool eof_ok) {
 
 bool UcxLink::RecvFrame(FrameHeader* h, std::string* meta, uint64_t max_body, uint32_t max_meta) {
   if (body_left_) throw FrameError("a frame's body was not read before the next frame");
-  if (!RecvMessage(h, sizeof *h, my_tag_, /*eof_ok=*/true)) return false;
+  first_in_.resize(FirstMessage::kMaxSize);
+  size_t got = 0;
+  if (!RecvMessage(first_in_.data(), first_in_.size(), my_tag_, /*eof_ok=*/true, &got)) return false;
+  if (got < sizeof *h) throw FrameError("a UCX message shorter than a frame header");
+  std::memcpy(h, first_in_.data(), sizeof *h);
   CheckHeader(*h, max_body, max_meta);  // before anything is allocated for the frame
-  meta->resize(h->meta_len);
-  if (h->meta_len) RecvMessage(&(*meta)[0], h->meta_len, my_tag_ | 1, false);
+  const FirstMessage first(*h);
+  if (got != first.size)
+    throw FrameError("a frame's first UCX message of " + std::to_string(got) + " bytes where its header announces " +
+                     std::to_string(first.size));
+  const char* inline_part = first_in_.data() + sizeof *h;
+  if (first.meta_inline) {
+    meta->assign(inline_part, h->meta_len);
+  } else {
+    meta->resize(h->meta_len);
+    RecvMessage(&(*meta)[0], h->meta_len, my_tag_ | 1, false);
+  }
   body_left_ = h->body_len;
+  if (first.body_inline && h->body_len) {  // RecvBody hands it out from here
+    staged_.assign(inline_part + h->meta_len, inline_part + h->meta_len + h->body_len);
+    staged_pos_ = 0;
+  }
   return true;
 }
 
