@@ -59,12 +59,17 @@ def _clock(data):
     return time.perf_counter()
 
 
-def _timed_steps(model, optimizer, data, target, iters, warmup, cross_barrier=False):
+def _timed_steps(model, optimizer, data, target, iters, warmup, cross_barrier=False,
+                 tracer=None):
+    """``tracer``: a :class:`bpstrain.bench._step_trace.StepTracer` that records the last step."""
     import torch.nn.functional as F
 
     times, phases = [], []
     explicit_sync = hasattr(optimizer, "synchronize") and not cross_barrier
     for i in range(warmup + iters):
+        traced = tracer is not None and i == warmup + iters - 1
+        if traced:
+            tracer.start()
         start = _clock(data)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(data), target)
@@ -84,6 +89,9 @@ def _timed_steps(model, optimizer, data, target, iters, warmup, cross_barrier=Fa
             # step's updates count in its own time.
             optimizer.synchronize()
         end = _clock(data)
+        if traced:
+            tracer.stop([start, forward, backward, synced, end],
+                        time.time_ns() / 1000.0 - time.perf_counter() * 1e6)
         if i >= warmup:
             times.append(end - start)
             # forward, backward, waiting for the gradients (bpstrain), optimizer update
@@ -104,12 +112,28 @@ def run_bpstrain(args):
         wrap = functools.partial(bps.CrossBarrier, model) if args.cross_barrier else bps.DistributedOptimizer
         optimizer = wrap(optimizer, named_parameters=model.named_parameters(), compression=compression)
         bps.broadcast_parameters(model.state_dict(), root_rank=0)
+        tracer = None
+        if args.trace:
+            from bpstrain.bench._step_trace import StepTracer
+
+            tracer = StepTracer(bps.rank())
         times = _timed_steps(model, optimizer, data, target, args.iters, args.warmup,
-                             args.cross_barrier)
+                             args.cross_barrier, tracer)
+        if tracer is not None:
+            _write_trace(tracer, args.trace, bps.rank())
         engine.barrier()
         return bps.rank(), bps.size(), times
     finally:
         bps.shutdown()
+
+
+def _write_trace(tracer, prefix: str, rank: int) -> None:
+    """Writes ``<prefix>.rank<R>.json`` and prints the step's one-line summary to stderr."""
+    from bpstrain.bench._step_trace import summary
+
+    line = summary(tracer.write(f"{prefix}.rank{rank}.json"))
+    if line:
+        print(f"[trace] {line}", file=sys.stderr, flush=True)
 
 
 def run_alone(args):
@@ -168,6 +192,9 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int), p.add_argument("--world-size", type=int)
     p.add_argument("--ifname", help="network interface gloo binds to")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--trace", metavar="PREFIX",
+                   help="bpstrain: write the last step's Chrome trace to PREFIX.rank<R>.json "
+                        "and a summary line to stderr")
     args = p.parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks before a kill (_jobs)
     import torch

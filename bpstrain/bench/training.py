@@ -10,6 +10,7 @@ worker host 0 with no communication (a step's compute time).
     python -m bpstrain.bench.training --model vgg16 resnet50 --iters 3 --json out.json
     python -m bpstrain.bench.training --loopback --model resnet50 --hosts 2 --servers 1
     python -m bpstrain.bench.training --model vgg16 --systems ddp-bpstrain ddp
+    python -m bpstrain.bench.training --model resnet50 --trace traces   # where workers wait
 
 Layout: worker hosts 0..H-1 (bpstrain workers and gloo ranks alike), server hosts
 H..H+K-1, the scheduler on host H+K; every host's upload and download are capped at
@@ -28,6 +29,7 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from bpstrain.bench import _jobs, bounds, emulated
 from bpstrain.bench._hosts import EmulatedHosts, LoopbackHosts
@@ -54,6 +56,7 @@ class TrainPlan:
     latency_ms: float = 20.0
     loopback: bool = False
     timeout_s: float = 900.0
+    trace_dir: str | None = None  # bpstrain systems: a Chrome trace of the last step here
 
 
 @dataclasses.dataclass
@@ -84,8 +87,34 @@ def _run_bpstrain(hosts, plan: TrainPlan, model: str, system: str = "bpstrain") 
     worker_system = "bpstrain" if system == "bpstrain-cb" else system
     argv = [sys.executable, "-m", _WORKER, "--system", worker_system, *_worker_args(plan, model)]
     argv += ["--cross-barrier"] if system == "bpstrain-cb" else []
-    return _jobs.run_ps_job(hosts, layout, argv, plan.timeout_s,
-                            {"BPSTRAIN_TIMEOUT": "60", "BPSTRAIN_OP_TIMEOUT": str(int(plan.timeout_s))})
+    prefix = None
+    if plan.trace_dir and worker_system == "bpstrain":
+        prefix = str(Path(plan.trace_dir).resolve() / f"{model}-{system}")
+        argv += ["--trace", prefix]
+    payloads = _jobs.run_ps_job(hosts, layout, argv, plan.timeout_s,
+                                {"BPSTRAIN_TIMEOUT": "60", "BPSTRAIN_OP_TIMEOUT": str(int(plan.timeout_s))})
+    if prefix is not None:
+        _merge_trace(prefix, plan.hosts)
+    return payloads
+
+
+def _merge_trace(prefix: str, workers: int, log=None) -> None:
+    """Merges the ranks' traces into ``<prefix>.json`` and logs each rank's summary."""
+    from bpstrain.bench._step_trace import summary
+    from bpstrain.trainer.callbacks.timeline import merge_traces
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    found = [Path(f"{prefix}.rank{r}.json") for r in range(workers)]
+    found = [p for p in found if p.is_file()]
+    for path in found:
+        line = summary(json.loads(path.read_text()))
+        if line:
+            log(f"[training]   {line}")
+    if found:
+        merge_traces(found, f"{prefix}.json")
+        for path in found:
+            path.unlink()
+        log(f"[training]   trace of the last step: {prefix}.json")
 
 
 def _run_ddp(hosts, plan: TrainPlan, model: str) -> list[dict]:
@@ -219,6 +248,9 @@ def main(argv=None) -> int:
     p.add_argument("--loopback", action="store_true", help="no namespaces, no caps (no root needed)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--trace", metavar="DIR",
+                   help="bpstrain systems: write DIR/<model>-<system>.json, a Chrome trace of "
+                        "the last step of every worker, and log where each worker waited")
     args = p.parse_args(argv)
     if not args.loopback:
         ok, reason = emulated.available()
@@ -229,7 +261,7 @@ def main(argv=None) -> int:
                      rate_mbit=args.rate_mbit, batch_size=args.batch_size,
                      image_size=args.image_size, num_classes=args.num_classes, iters=args.iters,
                      warmup=args.warmup, fp16=args.fp16, device=args.device, systems=args.systems,
-                     loopback=args.loopback, timeout_s=args.timeout)
+                     loopback=args.loopback, timeout_s=args.timeout, trace_dir=args.trace)
     try:
         rows = run(plan)
     except (_jobs.BenchError, ValueError) as exc:

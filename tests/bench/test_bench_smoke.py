@@ -55,3 +55,24 @@ def test_cluster_bench_runs_each_transport_on_the_same_hosts(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:]]
     assert [r[:2] for r in rows] == [["bpstrain", "2"], ["bpstrain", "ucx:tcp"]]
     assert emulated.list_namespaces(f"{emulated.DEFAULT_PREFIX}{os.getpid()}x") == []
+
+
+@pytest.mark.timeout(180)
+def test_training_bench_traces_the_last_step(tmp_path, capsys):
+    """--trace writes one merged Chrome trace per job and logs where each worker waited."""
+    import json
+
+    from bpstrain.bench import training
+
+    assert training.main(["--loopback", "--model", "resnet50", "--hosts", "2", "--servers", "1",
+                          "--iters", "1", "--warmup", "1", "--systems", "bpstrain",
+                          "--trace", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    trace = json.loads((tmp_path / "resnet50-bpstrain.json").read_text())["traceEvents"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["resnet50-bpstrain.json"]
+    for rank in (0, 1):
+        phases = {e["name"] for e in trace if e.get("cat") == "phase" and e["pid"] == rank}
+        assert phases == {"forward", "backward", "gradient wait", "update"}
+        pushed = sum(e["args"]["bytes"] for e in trace if e.get("cat") == "push" and e["pid"] == rank)
+        assert pushed > 90e6  # ResNet-50's 25.6M float32 gradients, in fused buckets or alone
+        assert f"rank {rank}: backward ends" in err
