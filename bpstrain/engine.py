@@ -28,7 +28,7 @@ import numpy as np
 from bpstrain._core import Op
 from bpstrain.config.env import ClusterEnv, read_env
 from bpstrain.config.loader import comm_options
-from bpstrain.config.schema import CommConfig, hierarchical_mode
+from bpstrain.config.schema import CommConfig, aggregate_count, hierarchical_mode
 from bpstrain.errors import BpsTimeoutError, ConfigError
 
 
@@ -152,6 +152,7 @@ def _connect(state: _State) -> None:
         host_id=env.host_id,
         authenticate_bodies=bool(o["authenticate_bodies"]),
         transport=str(o["transport"]),
+        aggregate=aggregate_count(o["aggregate"]),
     )
     worker.start()
     try:

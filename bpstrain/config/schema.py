@@ -76,6 +76,32 @@ def check_compression_rules(value: Any) -> Any:
     return value
 
 
+def aggregate_count(value: Any) -> int:
+    """Reads ``comm.aggregate``: ``"all"`` (every worker, 0) or ``"k:<K>"`` (K >= 1).
+
+    Returns:
+        K, or 0 for ``all``.
+
+    Raises:
+        ValueError: any other value, saying why.
+    """
+    text = str(value).strip().lower()
+    if text == "all":
+        return 0
+    match = re.fullmatch(r"k:(\d+)", text)
+    if not match or int(match.group(1)) < 1:
+        raise ValueError(f"'all' or 'k:<K>' with K >= 1. Received: {value!r}")
+    return int(match.group(1))
+
+
+def check_aggregate(value: Any) -> str:
+    """Normalizes a ``comm.aggregate`` value (see :func:`aggregate_count`)."""
+    if isinstance(value, bool) or not isinstance(value, str):
+        raise ValueError(f"a string, not {type(value).__name__}")
+    k = aggregate_count(value)
+    return f"k:{k}" if k else "all"
+
+
 def hierarchical_mode(value: Any) -> str:
     """Reads ``comm.hierarchical`` (a bool, or a string such as "auto", "true", "0").
 
@@ -318,6 +344,13 @@ class CommConfig:
         "ucx:rc,sm,tcp). Every process of a job uses the same one.", "BPSTRAIN_TRANSPORT",
         pattern=r"tcp|ucx(:[a-z0-9_^]+(,[a-z0-9_^]+)*)?",
         expected="'tcp', 'ucx' or 'ucx:<UCX_TLS list>' (e.g. 'ucx:tcp')")
+    aggregate: str = knob(
+        "all", "Straggler mitigation (backup workers): all = every worker's push counts "
+        "(synchronous); k:<K> = a round is answered once K of the N workers pushed it and "
+        "averaged over those K; a later push gets the same answer and is dropped, so "
+        "N-K slow workers never hold up a step. Sums and averages over the whole job on "
+        "the flat path (turns comm.hierarchical=auto off); not with compression.",
+        "BPSTRAIN_AGGREGATE", parse=check_aggregate, expected="'all' or 'k:<K>' (e.g. 'k:3')")
     compression: str = knob(
         "none", "Gradient compression of the Trainer's DistributedOptimizer (torch and "
         "Keras): none | fp16 | bf16 | onebit | topk:<ratio> | randomk:<ratio> | "

@@ -529,8 +529,9 @@ PYBIND11_MODULE(_core, m) {
                        int connections_per_server, bool priority, const std::string& numa,
                        double rendezvous_timeout, const std::string& secret, int hierarchical,
                        int socket_send_buffer, const std::string& advertise_host, const std::string& host_id,
-                       const std::string& transport, bool authenticate_bodies) {
+                       const std::string& transport, bool authenticate_bodies, int aggregate) {
              WorkerOptions o;
+             o.aggregate = aggregate;
              o.transport = transport;
              o.authenticate_bodies = authenticate_bodies;
              o.advertise_host = advertise_host;
@@ -557,7 +558,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
            py::arg("hierarchical") = static_cast<int>(WorkerOptions::kAuto), py::arg("socket_send_buffer") = -1,
            py::arg("advertise_host") = "", py::arg("host_id") = "", py::arg("transport") = "tcp",
-           py::arg("authenticate_bodies") = true)
+           py::arg("authenticate_bodies") = true, py::arg("aggregate") = 0)
       .def("start", &Worker::Start)
       .def("wait_ready", &Worker::WaitReady, py::arg("seconds"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Worker::rank)
@@ -637,6 +638,7 @@ PYBIND11_MODULE(_core, m) {
              d["bytes_pushed"] = s.bytes_pushed;
              d["bytes_pulled"] = s.bytes_pulled;
              d["partitions"] = s.partitions;
+             d["late_partitions"] = s.late_partitions;
              // The link measured at rendezvous (0 when not measured): adapters that weigh
              // compute against wire time (compression's auto mode) read it here.
              d["link_bytes_per_s"] = w.link().bytes_per_s;

@@ -248,7 +248,7 @@ void Server::EngineLoop(EngineThread* et, int index) {
     }
     if (!t.from) return;
     Process(et, t);
-    et->pending.store(static_cast<int64_t>(et->rounds.size()));
+    et->pending.store(static_cast<int64_t>(et->rounds.size() + et->finished.size() + et->held.size()));
     if (SecondsSince(last_sweep) > 1.0) {
       ExpireRounds(et);
       last_sweep = Clock::now();
@@ -278,7 +278,49 @@ void Server::ExpireRounds(EngineThread* et) {
     it = et->rounds.erase(it);
     ++expired_rounds_;
   }
-  et->pending.store(static_cast<int64_t>(et->rounds.size()));
+  // Answers nobody came for (their workers died or left) and pushes held for them.
+  std::vector<std::pair<uint64_t, uint64_t>> stale;
+  for (const auto& f : et->finished)
+    if (SecondsSince(f.second.finished) > limit) stale.push_back(f.first);
+  for (const auto& k : stale) {
+    auto it = et->finished.find(k);  // releasing held pushes may have changed the map
+    if (it != et->finished.end()) ForgetFinished(et, it);
+  }
+  for (auto it = et->held.begin(); it != et->held.end();) {
+    if (SecondsSince(it->arrived) <= limit) {
+      ++it;
+      continue;
+    }
+    Reject(*it, "partition " + std::to_string(it->push.key) + " round " + std::to_string(it->push.version) +
+                    " waited " + std::to_string(static_cast<int>(limit)) + " s for a worker " +
+                    std::to_string(kMaxLateRounds) + " rounds behind (k-of-n aggregation)");
+    it = et->held.erase(it);
+    ++expired_rounds_;
+  }
+  et->pending.store(static_cast<int64_t>(et->rounds.size() + et->finished.size() + et->held.size()));
+}
+
+void Server::ForgetFinished(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it) {
+  const uint64_t key = it->first.first;
+  et->finished.erase(it);
+  if (--et->backlog[key] <= 0) et->backlog.erase(key);
+  ReleaseHeld(et, key);
+}
+
+void Server::ReleaseHeld(EngineThread* et, uint64_t key) {
+  // In arrival order; Process may hold a task again (the backlog is still full).
+  std::deque<Task> mine, rest;
+  for (auto& t : et->held) (t.push.key == key ? mine : rest).push_back(std::move(t));
+  et->held = std::move(rest);
+  for (auto& t : mine) Process(et, t);
+}
+
+void Server::Reject(Task& t, const std::string& msg) {
+  FrameHeader e;
+  e.type = static_cast<uint16_t>(MsgType::kError);
+  e.key = t.push.key;
+  e.version = t.push.version;
+  t.from->Reply(e, MetaWriter().Str(msg).bytes());
 }
 
 Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
@@ -305,20 +347,34 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
   if (p.expected < 1 || p.expected > num_workers_)
     throw FrameError("push expects " + std::to_string(p.expected) + " contributions; the job has " +
                      std::to_string(num_workers_) + " workers");
+  p.complete_at = h.meta_len >= 12 ? static_cast<int>(r.U32()) : p.expected;
+  if (p.complete_at < 1 || p.complete_at > p.expected || (p.broadcast && p.complete_at != p.expected))
+    throw FrameError("push completes its round at " + std::to_string(p.complete_at) + " of " +
+                     std::to_string(p.expected) + " pushes" + (p.broadcast ? " (a broadcast needs all)" : ""));
   return p;
 }
 
 void Server::Process(EngineThread* et, Task& t) {
   const Push& p = t.push;
-  auto reject = [&](const std::string& msg) {
-    FrameHeader e;
-    e.type = static_cast<uint16_t>(MsgType::kError);
-    e.key = p.key;
-    e.version = p.version;
-    t.from->Reply(e, MetaWriter().Str(msg).bytes());
-  };
+  auto reject = [&](const std::string& msg) { Reject(t, msg); };
+  const std::string what = "partition " + std::to_string(p.key) + " round " + std::to_string(p.version);
+  auto done = et->finished.find({p.key, p.version});
+  if (done != et->finished.end()) return AnswerLate(et, done, t);
   auto it = et->rounds.find({p.key, p.version});
   if (it == et->rounds.end()) {
+    if (p.complete_at < p.expected) {
+      // k-of-n: versions of a key only grow, so an older round that is neither pending
+      // nor kept finished without this worker and was forgotten (round_timeout).
+      auto through = et->finished_through.find(p.key);
+      if (through != et->finished_through.end() && p.version <= through->second)
+        return reject(what + " was answered without this worker and forgotten after round_timeout: "
+                             "this worker is too far behind the others");
+      auto backlog = et->backlog.find(p.key);
+      if (backlog != et->backlog.end() && backlog->second >= kMaxLateRounds) {
+        et->held.push_back(std::move(t));
+        return;
+      }
+    }
     it = et->rounds.emplace(std::make_pair(p.key, p.version), PendingRound{}).first;
     Round& r = it->second.round;
     r.key = p.key;
@@ -326,24 +382,29 @@ void Server::Process(EngineThread* et, Task& t) {
     r.dtype = p.dtype;
     r.len = p.len;
     r.expected = p.expected;
+    r.complete_at = p.complete_at;
     r.broadcast = p.broadcast;
     r.root = p.root;
   }
   PendingRound& pr = it->second;
   Round& r = pr.round;
   if (r.dtype != p.dtype || r.len != p.len || r.expected != p.expected || r.broadcast != p.broadcast)
-    return reject("partition " + std::to_string(p.key) + " round " + std::to_string(p.version) +
-                  ": this push has dtype " + DTypeName(p.dtype) + " and " + std::to_string(p.len) +
+    return reject(what + ": this push has dtype " + DTypeName(p.dtype) + " and " + std::to_string(p.len) +
                   " bytes, other workers pushed " + DTypeName(r.dtype) + " and " + std::to_string(r.len));
+  if (r.complete_at != p.complete_at)
+    return reject(what + ": this worker completes rounds at " + std::to_string(p.complete_at) +
+                  " pushes, another at " + std::to_string(r.complete_at) +
+                  "; set the same comm.aggregate on every worker");
   if (std::find(pr.waiters.begin(), pr.waiters.end(), t.from) != pr.waiters.end())
-    return reject("duplicate push of partition " + std::to_string(p.key) + " round " +
-                  std::to_string(p.version) + " from the same worker");
+    return reject("duplicate push of " + what + " from the same worker");
   if (r.broadcast && p.root != r.root && pr.error.empty())
     // Horovod's rule: ranks that name different roots all get an error, none gets data.
-    pr.error = "broadcast of partition " + std::to_string(p.key) + " round " + std::to_string(p.version) +
-               ": ranks disagree on the root (rank " + std::to_string(r.senders.empty() ? -1 : r.senders[0]) +
-               " says root_rank=" + std::to_string(r.root) + ", rank " + std::to_string(p.sender) + " says root_rank=" +
-               std::to_string(p.root) + "); pass the same root_rank on every rank";
+    pr.error = "broadcast of " + what + ": ranks disagree on the root (rank " +
+               std::to_string(r.senders.empty() ? -1 : r.senders[0]) + " says root_rank=" + std::to_string(r.root) +
+               ", rank " + std::to_string(p.sender) + " says root_rank=" + std::to_string(p.root) +
+               "); pass the same root_rank on every rank";
+  if (r.complete_at < r.expected && p.dtype == DType::kCompressed && pr.error.empty())
+    pr.error = what + ": k-of-n aggregation (comm.aggregate) does not combine with compression";
   pr.waiters.push_back(t.from);
   r.senders.push_back(p.sender);
   ++r.pushes;
@@ -362,13 +423,55 @@ void Server::Process(EngineThread* et, Task& t) {
   reply.type = static_cast<uint16_t>(error.empty() ? MsgType::kPullReply : MsgType::kError);
   reply.key = p.key;
   reply.version = p.version;
+  reply.arg = r.pushes;  // how many pushes the answer sums (k-of-n workers average by it)
   const std::string meta = error.empty() ? "" : MetaWriter().Str(error).bytes();
   for (size_t i = 0; i < pr.waiters.size(); ++i) {
     std::shared_ptr<Buffer> body = error.empty() ? et->handler->OnPull(r, r.senders[i]) : nullptr;
     reply.body_len = body ? r.len : 0;
     pr.waiters[i]->Reply(reply, meta, std::move(body));
   }
+  if (r.pushes < r.expected) {
+    // Answered early (k-of-n): the other participants' pushes are still coming.
+    FinishedRound f;
+    f.error = error;
+    f.answered = r.senders;
+    r.acc.reset();  // only the answer is needed now
+    f.round = std::move(r);
+    et->finished.emplace(std::make_pair(p.key, p.version), std::move(f));
+    ++et->backlog[p.key];
+    uint64_t& through = et->finished_through[p.key];
+    through = std::max(through, p.version);
+  }
   et->rounds.erase(it);
+}
+
+void Server::AnswerLate(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it,
+                        Task& t) {
+  // A push for a round that was answered without it: the push is dropped, the worker
+  // gets what the others got, so every worker applies the same update.
+  const Push& p = t.push;
+  FinishedRound& f = it->second;
+  Round& r = f.round;
+  const std::string what = "partition " + std::to_string(p.key) + " round " + std::to_string(p.version);
+  if (r.dtype != p.dtype || r.len != p.len || r.expected != p.expected || r.complete_at != p.complete_at)
+    return Reject(t, what + ": this late push has dtype " + DTypeName(p.dtype) + ", " + std::to_string(p.len) +
+                         " bytes and completes at " + std::to_string(p.complete_at) + " pushes; the round had " +
+                         DTypeName(r.dtype) + ", " + std::to_string(r.len) + " bytes and " +
+                         std::to_string(r.complete_at));
+  if (std::find(f.answered.begin(), f.answered.end(), p.sender) != f.answered.end())
+    return Reject(t, "duplicate push of " + what + " from the same worker");
+  FrameHeader reply;
+  reply.type = static_cast<uint16_t>(f.error.empty() ? MsgType::kPullReply : MsgType::kError);
+  reply.flags = kFlagLate;
+  reply.key = p.key;
+  reply.version = p.version;
+  reply.arg = r.pushes;
+  std::shared_ptr<Buffer> body = f.error.empty() ? et->handler->OnPull(r, p.sender) : nullptr;
+  reply.body_len = body ? r.len : 0;
+  t.from->Reply(reply, f.error.empty() ? "" : MetaWriter().Str(f.error).bytes(), std::move(body));
+  t.push.body.reset();  // the late gradient goes back to the pool now
+  f.answered.push_back(p.sender);
+  if (static_cast<int>(f.answered.size()) >= r.expected) ForgetFinished(et, it);
 }
 
 }  // namespace bps

@@ -74,6 +74,7 @@ class Server {
   struct Task {
     std::shared_ptr<Conn> from;  // null stops the engine thread
     Push push;
+    Clock::time_point arrived = Clock::now();
   };
   struct PendingRound {
     Round round;
@@ -81,15 +82,36 @@ class Server {
     std::string error;  // set when the pushes disagree: every waiter gets it at the end
     std::vector<std::shared_ptr<Conn>> waiters;  // in push order
   };
+  // A k-of-n round answered before every participant pushed: the late pushers get the
+  // same answer (their pushes are dropped), so it stays until each has it, or until
+  // round_timeout (a late worker that never comes is dead or gone).
+  struct FinishedRound {
+    Round round;
+    std::string error;        // what the round answered instead of data, if it failed
+    std::vector<int> answered;  // ranks answered so far
+    Clock::time_point finished = Clock::now();
+  };
   struct EngineThread {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<Task> queue;
     std::unique_ptr<ServerHandler> handler;
     std::map<std::pair<uint64_t, uint64_t>, PendingRound> rounds;  // (key, version) -> state
-    std::atomic<int64_t> pending{0};  // rounds.size(), for stats() from other threads
+    std::map<std::pair<uint64_t, uint64_t>, FinishedRound> finished;  // k-of-n, awaiting late pushes
+    std::map<uint64_t, int> backlog;              // key -> its rounds in `finished`
+    std::map<uint64_t, uint64_t> finished_through;  // key -> newest version finished early
+    // New rounds of a key whose backlog is full wait here for the late workers (memory
+    // stays bounded: at most kMaxLateRounds finished rounds per key).
+    std::deque<Task> held;
+    // rounds, finished and held together, for stats() from other threads
+    std::atomic<int64_t> pending{0};
     std::thread thread;
   };
+
+  // How many rounds of one key may wait for late workers under k-of-n aggregation
+  // before the key's next round waits too: the fastest workers run at most this many
+  // rounds ahead of the slowest, and a server keeps at most this many answers per key.
+  static constexpr int kMaxLateRounds = 4;
 
   void Run();
   void AcceptLoop();
@@ -97,6 +119,11 @@ class Server {
   void ExpireRounds(EngineThread* et);
   void EngineLoop(EngineThread* et, int index);
   void Process(EngineThread* et, Task& t);
+  void AnswerLate(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it,
+                  Task& t);
+  void ForgetFinished(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it);
+  void ReleaseHeld(EngineThread* et, uint64_t key);
+  static void Reject(Task& t, const std::string& msg);
   Push ParsePush(const FrameHeader& h, const std::string& meta) const;
   void OnControl(const FrameHeader& h, const std::string& meta);
   void Finish(const std::string& failure);

@@ -36,7 +36,8 @@ struct Push {
   DType dtype = DType::kFloat32;
   uint64_t len = 0;        // bytes of the partition
   bool broadcast = false;  // the root's data is the result
-  int expected = 0;        // contributions that complete the round (participating ranks)
+  int expected = 0;        // participating ranks: every one of them pushes this round
+  int complete_at = 0;     // pushes that complete it (k-of-n aggregation; = expected)
   int sender = -1;         // the worker's rank
   int root = -1;           // broadcast: the root this worker named (-1 = not said)
   std::shared_ptr<Buffer> body;  // null for an empty push (a broadcast's non-root)
@@ -49,6 +50,7 @@ struct Round {
   DType dtype = DType::kFloat32;
   uint64_t len = 0;
   int expected = 0;
+  int complete_at = 0;  // k-of-n: answered at this many pushes; later ones get the result
   bool broadcast = false;
   int root = -1;  // broadcast: the root the first push named
   int pushes = 0;
@@ -64,12 +66,15 @@ class ServerHandler {
   // `push` joins `round` (round.pushes and senders already count it). Returns "" or an
   // error that goes back to this sender only.
   virtual std::string OnPush(Round& round, const Push& push) = 0;
-  // Whether the round can be answered now. Default: every expected push is in.
-  virtual bool Complete(const Round& round) const { return round.pushes >= round.expected; }
+  // Whether the round can be answered now. Default: `complete_at` pushes are in (every
+  // participant's, unless the workers asked for k-of-n aggregation).
+  virtual bool Complete(const Round& round) const { return round.pushes >= round.complete_at; }
   // Sets round.result (round.len bytes, or null for an empty round). Returns "" or an
   // error that goes to every worker waiting on the round.
   virtual std::string OnRoundComplete(Round& round) = 0;
-  // What `worker` receives. Default: round.result.
+  // What `worker` receives. Default: round.result. Under k-of-n aggregation it is also
+  // asked for workers whose push came after the round completed (they are not among
+  // round.senders and their push never reached OnPush).
   virtual std::shared_ptr<Buffer> OnPull(Round& round, int worker) { return round.result; }
 };
 

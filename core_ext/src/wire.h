@@ -53,6 +53,14 @@ enum PushFlags : uint16_t {
   kFlagEmpty = 2,      // no body (a broadcast non-root); `arg` still holds the length
 };
 
+// kPush meta: u32 participants (ranks whose pushes the round expects), then u32 root (a
+// broadcast's; 0xffffffff otherwise), then u32 complete_at (k-of-n aggregation: the round
+// is answered once this many pushes are in; absent = participants).
+// kPullReply: `arg` holds the number of pushes summed into the answer, and flags:
+enum ReplyFlags : uint16_t {
+  kFlagLate = 1,  // the round completed before this worker's push; its push was dropped
+};
+
 #pragma pack(push, 1)
 struct FrameHeader {
   uint32_t magic = kFrameMagic;

@@ -45,6 +45,9 @@ Worker::Worker(const WorkerOptions& opts) : opts_(opts), transport_(Transport::G
     throw Error(Error::kConfig, "local_rank must be in [0, local_size). Received: local_rank=" +
                                     std::to_string(opts.local_rank) + ", local_size=" +
                                     std::to_string(opts.local_size));
+  if (opts.aggregate < 0)
+    throw Error(Error::kConfig, "aggregate must be >= 0 (0 = every worker). Received: " +
+                                    std::to_string(opts.aggregate));
   cpus_ = ResolveCpuSpec(opts.numa, opts.local_rank);
 }
 
@@ -74,6 +77,12 @@ void Worker::Rendezvous() {
     size_ = w.num_workers;
     servers_ = w.servers;
     SetLogPrefix("bpstrain worker " + std::to_string(rank_));
+    if (opts_.aggregate > size_)
+      throw Error(Error::kConfig, "comm.aggregate k:" + std::to_string(opts_.aggregate) + " needs K <= the " +
+                                      std::to_string(size_) + " workers of this job");
+    if (KOfN() && rank_ == 0)
+      LogInfo("k-of-n aggregation: a round is answered once " + std::to_string(opts_.aggregate) + " of " +
+              std::to_string(size_) + " workers pushed it; late pushes get the same answer and are dropped");
     std::vector<std::unique_ptr<DataConn>> conns;
     for (int s = 0; s < static_cast<int>(servers_.size()); ++s) {
       for (int c = 0; c < opts_.connections_per_server; ++c) {
@@ -154,6 +163,15 @@ void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
 
 bool Worker::UseHierarchy() const {
   if (opts_.hierarchical == WorkerOptions::kOff || opts_.local_size <= 1) return false;
+  if (KOfN()) {
+    // The host's ranks reduce together, so one slow rank holds up its host's push: the
+    // servers could only leave out whole hosts. k-of-n counts workers, on the flat path.
+    if (opts_.hierarchical == WorkerOptions::kOn)
+      throw Error(Error::kConfig, "comm.aggregate k:" + std::to_string(opts_.aggregate) +
+                                      " needs the flat path; set comm.hierarchical to auto or false");
+    LogInfo("hierarchical mode (auto) is off: k-of-n aggregation (comm.aggregate) counts single workers");
+    return false;
+  }
   if (opts_.hierarchical == WorkerOptions::kOn) return true;  // StartLocalGroup checks the layout
   if (size_ % opts_.local_size != 0 || opts_.rank_hint != rank_) {
     LogInfo("hierarchical mode (auto) is off: it needs DMLC_WORKER_ID on every worker and "
@@ -161,6 +179,14 @@ bool Worker::UseHierarchy() const {
     return false;
   }
   return true;
+}
+
+int Worker::CompleteAt(const OpRequest& req) const {
+  // Only ops over the whole job as such (participants 0): a caller that names the
+  // participants (hierarchical slices) sums and divides by itself, over all of them.
+  if (!KOfN() || req.op == Op::kBroadcast || req.participants != 0)
+    return req.participants ? req.participants : size_;
+  return opts_.aggregate;
 }
 
 bool Worker::WaitReady(double seconds) {
@@ -201,6 +227,10 @@ int64_t Worker::Enqueue(const OpRequest& req) {
   if (req.dtype == DType::kCompressed && req.op != Op::kSum)
     throw Error(Error::kConfig, "compressed tensors are push_pulled with Op.SUM: the servers re-encode the "
                                 "sum, and the adapter averages after decoding");
+  if (req.dtype == DType::kCompressed && KOfN())
+    throw Error(Error::kConfig, "comm.aggregate k:" + std::to_string(opts_.aggregate) +
+                                    " does not combine with compression yet: the adapter averages a "
+                                    "compressed sum over every worker; use comm.aggregate=all");
   if (req.op == Op::kBroadcast && (req.root < 0 || req.root >= size_))
     throw Error(Error::kConfig, "broadcast root must be in [0, " + std::to_string(size_) +
                                     "). Received: root_rank=" + std::to_string(req.root));
@@ -378,7 +408,11 @@ void Worker::SenderLoop(DataConn* c) {
     try {
       MetaWriter meta;
       meta.U32(participants);
-      if (bcast) meta.U32(static_cast<uint32_t>(req.root));  // the server checks every rank names the same root
+      const int complete_at = CompleteAt(req);
+      // The server checks every rank names the same root.
+      if (bcast || complete_at != static_cast<int>(participants))
+        meta.U32(bcast ? static_cast<uint32_t>(req.root) : UINT32_MAX);
+      if (complete_at != static_cast<int>(participants)) meta.U32(static_cast<uint32_t>(complete_at));
       c->link->Send(h, meta.bytes(),
                     send_body ? static_cast<const char*>(req.input) + t.offset : nullptr, send_body ? t.len : 0);
     } catch (const Error& e) {
@@ -423,16 +457,25 @@ void Worker::ReceiverLoop(DataConn* c) {
         throw FrameError("reply of " + std::to_string(h.body_len) + " bytes for a partition of " +
                          std::to_string(t.len));
       const OpRequest& req = t.op->req;
+      // The answer sums `h.arg` pushes: every participant's, or at least the k of k-of-n.
+      const int64_t participants = req.participants ? req.participants : size_;
+      const int64_t summed = h.arg;
+      if (ok && (summed < CompleteAt(req) || summed > participants))
+        throw FrameError("reply summing " + std::to_string(summed) + " pushes for a round of " +
+                         std::to_string(participants) + " participants");
       char* dst = static_cast<char*>(req.output) + t.offset;
       if (!ok || discard) {
         c->link->DiscardBody(h.body_len);
       } else {
         c->link->RecvBody(dst, h.body_len);
+        // A k-of-n answer is averaged over the workers it sums (participants 0 = size_).
         if (req.op == Op::kAverage)
-          DivideInPlace(req.dtype, dst, static_cast<size_t>(t.len) / DTypeSize(req.dtype), size_);
+          DivideInPlace(req.dtype, dst, static_cast<size_t>(t.len) / DTypeSize(req.dtype),
+                        summed < participants ? summed : size_);
       }
       std::lock_guard<std::mutex> lk(mu_);
       stats_.bytes_pulled += ok ? t.len : 0;
+      stats_.late_partitions += ok && (h.flags & kFlagLate) ? 1 : 0;
       ++stats_.partitions;
       if (!ok) FailHandleLocked(t.op, Error::kGeneric, "server: " + MetaReader(meta).Str());
       CompletePartLocked(t.op);

@@ -73,6 +73,10 @@ struct WorkerOptions {
   // Tag every data frame's body (secure_link.h). false leaves bodies untagged only when
   // the server is configured the same way; headers stay authenticated either way.
   bool authenticate_bodies = true;
+  // k-of-n aggregation (comm.aggregate k:K, backup workers): a round of a sum or an
+  // average over the whole job is answered once `aggregate` workers pushed it, averaged
+  // over those; a later push gets the same answer and is dropped. 0 = every worker.
+  int aggregate = 0;
 };
 
 // Wall-clock microseconds (system_clock) of one finished operation's phases, recorded
@@ -90,6 +94,9 @@ struct WorkerStats {
   int64_t bytes_pushed = 0;
   int64_t bytes_pulled = 0;
   int64_t partitions = 0;
+  // Partitions whose round was answered before this worker's push arrived (k-of-n):
+  // its gradient did not count.
+  int64_t late_partitions = 0;
 };
 
 class Worker {
@@ -145,6 +152,11 @@ class Worker {
 
   void Rendezvous();
   bool UseHierarchy() const;
+  // Pushes that complete a round of `req` at the servers: opts_.aggregate for sums and
+  // averages over the whole job (participants 0) under k-of-n aggregation, else every
+  // participant.
+  int CompleteAt(const OpRequest& req) const;
+  bool KOfN() const { return opts_.aggregate > 0 && opts_.aggregate < size_; }
   void MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns);
   void OnControl(const FrameHeader& h, const std::string& meta);
   void OnDeclareReply(const std::string& meta);

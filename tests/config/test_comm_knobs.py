@@ -42,6 +42,7 @@ BOUNDS = [  # key, environment variable, bad values, edge values that are fine
     ("credit_bytes", "BPSTRAIN_CREDIT_BYTES", [-1], [0, 1 << 20]),
     ("hierarchical", "BPSTRAIN_HIERARCHICAL", ["maybe"], ["auto", "true", "false"]),
     ("timeout", "BPSTRAIN_TIMEOUT", [0, -1.5], [0.5]),
+    ("aggregate", "BPSTRAIN_AGGREGATE", ["k:0", "most", "k:x", "3"], ["all", "k:3"]),
 ]
 
 

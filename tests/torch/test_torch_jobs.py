@@ -86,6 +86,13 @@ def test_hierarchical_path_declares_a_name_again():
     _assert_check(job, "check_name_may_change_shape_when_every_rank_changes_it", 2)
 
 
+@pytest.mark.timeout(300)
+def test_k_of_n_aggregation_leaves_out_a_slow_rank_and_keeps_models_equal():
+    # comm.aggregate=k:2 of 3 workers; auto turns the hierarchical path off for it.
+    job = run_job(3, 2, ["torch_checks_aggregate"], extra_env={"BPSTRAIN_AGGREGATE": "k:2"})
+    _assert_check(job, "check_a_slow_rank_does_not_count_yet_every_rank_keeps_the_same_model", 3)
+
+
 @pytest.mark.timeout(30)
 def test_jobs_exit_cleanly():
     for workers, servers in ((2, 1), (3, 2)):
