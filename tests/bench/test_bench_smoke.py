@@ -76,3 +76,14 @@ def test_training_bench_traces_the_last_step(tmp_path, capsys):
         pushed = sum(e["args"]["bytes"] for e in trace if e.get("cat") == "push" and e["pid"] == rank)
         assert pushed > 90e6  # ResNet-50's 25.6M float32 gradients, in fused buckets or alone
         assert f"rank {rank}: backward ends" in err
+
+
+@pytest.mark.timeout(180)
+def test_stragglers_bench_compares_sync_and_k_of_n(capsys):
+    assert main(["stragglers", "--loopback", "--hosts", "3", "--servers", "1", "--steps", "12",
+                 "--compute-ms", "10", "--scenarios", "persistent", "--systems", "sync", "k:2",
+                 "--eval-every", "6"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:]]
+    assert [r[:2] for r in rows] == [["persistent", "sync"], ["persistent", "k:2"]]
+    late = {r[1]: int(r[-1]) for r in rows}
+    assert late["sync"] == 0 and late["k:2"] > 0  # the slow worker's pushes did not count
