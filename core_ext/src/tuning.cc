@@ -62,13 +62,14 @@ int64_t AutoPartitionBytes(double link_bytes_per_s, int64_t tensor_bytes, int nu
   return std::max(elem_bytes, part / elem_bytes * elem_bytes);
 }
 
-int64_t AutoCreditBytes(int64_t partition_bytes, const LinkEstimate& link) {
+int64_t AutoCreditBytes(int64_t partition_bytes, const LinkEstimate& link, int num_servers) {
   const int64_t bdp = static_cast<int64_t>(2 * link.bytes_per_s * link.rtt_s);
-  return std::max<int64_t>({4 * partition_bytes, int64_t{1} << 20, bdp});
+  const int64_t per_server = 2 * static_cast<int64_t>(std::max(1, num_servers)) * partition_bytes;
+  return std::max<int64_t>({4 * partition_bytes, per_server, int64_t{1} << 20, bdp});
 }
 
 int AutoSocketSendBuffer(const LinkEstimate& link, int peers) {
-  if (link.bytes_per_s <= 0) return kMaxAutoSendBuffer;
+  if (link.bytes_per_s <= 0) return kProbeSendBuffer;
   double want = link.bytes_per_s * kLinkBufferSeconds / std::max(1, peers);
   want = std::min<double>(want, kMaxAutoSendBuffer);
   want = std::max(want, 2 * link.bytes_per_s * link.rtt_s);  // long fat links

@@ -49,9 +49,14 @@ constexpr int64_t kPiecesPerServer = 16;
 int64_t AutoPartitionBytes(double link_bytes_per_s, int64_t tensor_bytes, int num_servers,
                            int64_t elem_bytes);
 
-// Bytes a worker keeps being written at once: four of its largest partitions, at least
-// 1 MiB and at least two round trips' worth of the link.
-int64_t AutoCreditBytes(int64_t partition_bytes, const LinkEstimate& link);
+// Bytes a worker keeps being written at once: four of its largest partitions and two per
+// server (so every server's connection has one being written and one waiting, even when
+// an adapter's pieces are larger than the engine's own: CUDA staging chunks), at least
+// 1 MiB and at least two round trips' worth of the link. (VGG-16, 4 emulated hosts
+// sharing an H100 host's GPU, 4 server hosts, 10 Gbit/s: four 3 MiB partitions let only
+// three of the 4 MiB staging chunks go at once, and 64 MiB of credit took the step from
+// 0.97 s to 0.73 s.)
+int64_t AutoCreditBytes(int64_t partition_bytes, const LinkEstimate& link, int num_servers);
 
 // Kernel send buffer of each data connection, so that the buffers of all connections
 // that feed one link hold about 2 x kLinkBufferSeconds of it (the kernel doubles what is
@@ -62,9 +67,15 @@ int64_t AutoCreditBytes(int64_t partition_bytes, const LinkEstimate& link);
 // order decide what is on the wire and a switch queue is not overrun (emulated hosts with
 // a 20 ms switch queue: 4x4 at 100 Mbit/s 0.90 of the bound at 32 KiB vs 0.85 at
 // 128 KiB, 4 MB tensors 0.79 vs 0.50; 8x8 at 200 Mbit/s 0.86 at 32 KiB vs 0.77 at 64 KiB;
-// 4x4 at 500 Mbit/s, 4 MB tensors after 64 MB ones: 0.80 at 64 KiB vs 0.74 at 128 KiB).
+// 4x4 at 500 Mbit/s, 4 MB tensors after 64 MB ones: 0.80 at 64 KiB vs 0.74 at 128 KiB),
+// yet not capped so low that a fast link starves (10 Gbit/s, 4 peers: 1.5 MiB; VGG-16 on
+// 4x4 emulated hosts of an H100 host with the old 128 KiB cap pushed at 0.77 GB/s a
+// worker, with the kernel's autotuning at 1.16 GB/s).
+// kProbeSendBuffer is the buffer before the link is known (the probe, and the answer when
+// it was not measured).
 constexpr double kLinkBufferSeconds = 0.005;  // the kernel doubles SO_SNDBUF: about 10 ms
-constexpr int kMaxAutoSendBuffer = 128 << 10;
+constexpr int kMaxAutoSendBuffer = 4 << 20;
+constexpr int kProbeSendBuffer = 128 << 10;
 int AutoSocketSendBuffer(const LinkEstimate& link, int peers);
 
 // The fraction of all bytes each server should hold. Servers whose host is one of the

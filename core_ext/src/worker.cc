@@ -97,8 +97,8 @@ void Worker::Rendezvous() {
         // takes megabytes per socket at once and the partitions' global order and the
         // rank rotation only decide what waits in kernel buffers (emulated 4x4 hosts at
         // 64 MB: 0.83 of the bound with autotuning, 0.89 with 256 KiB, 0.92 with 128 KiB).
-        // (auto: the probe runs with the largest size, then MeasureLinks resizes.)
-        const int sndbuf = opts_.socket_send_buffer < 0 ? kMaxAutoSendBuffer : opts_.socket_send_buffer;
+        // (auto: the probe runs with kProbeSendBuffer, then MeasureLinks resizes.)
+        const int sndbuf = opts_.socket_send_buffer < 0 ? kProbeSendBuffer : opts_.socket_send_buffer;
         if (sndbuf > 0) dc->link->SetSendBuffer(sndbuf);
         conns.push_back(std::move(dc));
       }
@@ -143,7 +143,7 @@ void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
   const int64_t part = auto_part ? AutoPartitionBytes(link_.bytes_per_s, INT64_MAX / 2,
                                                       static_cast<int>(servers_.size()), 1)
                                  : opts_.partition_bytes;
-  credit_ = opts_.credit_bytes > 0 ? opts_.credit_bytes : AutoCreditBytes(part, link_);
+  credit_ = opts_.credit_bytes > 0 ? opts_.credit_bytes : AutoCreditBytes(part, link_, static_cast<int>(servers_.size()));
   const int peers = std::max(static_cast<int>(servers_.size()), size_);
   const int sndbuf = auto_sndbuf ? AutoSocketSendBuffer(link_, peers) : opts_.socket_send_buffer;
   if (auto_sndbuf)

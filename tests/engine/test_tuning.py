@@ -33,7 +33,8 @@ def test_auto_partition_gives_every_server_several_pieces_of_a_small_tensor():
     assert _core.auto_partition_bytes(100 * MBIT, 4 * KB, 4) == 64 * KB
 
 
-@pytest.mark.parametrize("rate_mbit, expected", [(100, 16 * KB), (500, 78125), (2000, 128 * KB),
+@pytest.mark.parametrize("rate_mbit, expected", [(100, 16 * KB), (500, 78125), (2000, 312500),
+                                                  (100_000, 4 * MB),
                                                   (0, 128 * KB)])
 def test_auto_send_buffer_is_a_few_ms_of_the_link(rate_mbit, expected):
     assert _core.auto_socket_send_buffer(rate_mbit * MBIT, 100e-6) == expected
@@ -108,6 +109,15 @@ def test_partition_bytes_override_skips_the_probe_of_partitions():
         x = np.ones(300 * KB // 4, np.float32)
         c.run_all(lambda r, w: push_pull(w, "x", x))
         assert [p[1] for p in c.workers[0].partitions("x")] == [64 * KB] * 4 + [44 * KB]
+
+
+@pytest.mark.timeout(60)
+def test_auto_credit_keeps_two_partitions_per_server_in_flight():
+    # Four 1 MiB partitions would leave a server idle: 4 servers x 2 x 1 MiB.
+    with InProcessCluster(2, 4, partition_bytes=MB) as c:
+        for w in c.workers:
+            bdp = int(2 * w.link_bytes_per_s * w.link_rtt_s)
+            assert w.credit_bytes == max(8 * MB, bdp)
 
 
 @pytest.mark.timeout(60)
