@@ -57,6 +57,7 @@ class TrainPlan:
     loopback: bool = False
     timeout_s: float = 900.0
     trace_dir: str | None = None  # bpstrain systems: a Chrome trace of the last step here
+    mixed: bool = False  # a server on every worker host too (mixed mode), besides the server hosts
 
 
 @dataclasses.dataclass
@@ -83,7 +84,7 @@ def _worker_args(plan: TrainPlan, model: str) -> list[str]:
 
 def _run_bpstrain(hosts, plan: TrainPlan, model: str, system: str = "bpstrain") -> list[dict]:
     """A bpstrain job (``system``: bpstrain, bpstrain-cb or ddp-bpstrain)."""
-    layout = ps_layout(plan.hosts, plan.servers, plan.loopback)
+    layout = ps_layout(plan.hosts, plan.servers, plan.loopback, plan.mixed)
     worker_system = "bpstrain" if system == "bpstrain-cb" else system
     argv = [sys.executable, "-m", _WORKER, "--system", worker_system, *_worker_args(plan, model)]
     argv += ["--cross-barrier"] if system == "bpstrain-cb" else []
@@ -137,12 +138,13 @@ def run_ddp_job(hosts, world_size: int, argv: Sequence[str], timeout_s: float,
     return job.collect(timeout_s)
 
 
-def ps_layout(hosts: int, servers: int, loopback: bool) -> _jobs.Layout:
+def ps_layout(hosts: int, servers: int, loopback: bool, mixed: bool = False) -> _jobs.Layout:
     """This benchmark's bpstrain layout: workers on hosts 0..H-1, servers on H..H+K-1 and
-    the scheduler on H+K (on loopback every number is this machine)."""
+    the scheduler on H+K (on loopback every number is this machine); ``mixed`` puts one
+    more server on every worker host."""
     return _jobs.Layout(worker_hosts=list(range(hosts)),
                         server_hosts=[j if loopback else hosts + j for j in range(servers)],
-                        scheduler_host=0 if loopback else hosts + servers)
+                        scheduler_host=0 if loopback else hosts + servers, colocated=mixed)
 
 
 def _run_alone(hosts, plan: TrainPlan, model: str) -> list[dict]:
@@ -197,6 +199,7 @@ def run(plan: TrainPlan, log=None) -> list[TrainRow]:
                 workers = 1 if system == "alone" else plan.hosts
                 bound = (0.0 if system == "alone"
                          else bounds.ring_bound_s(nbytes, plan.hosts, link) if system == "ddp"
+                         else bounds.mixed_bound_s(nbytes, plan.hosts, plan.servers, link) if plan.mixed
                          else bounds.ps_bound_s(nbytes, plan.hosts, plan.servers, link))
                 rows.append(TrainRow(model, system, workers,
                                      plan.servers if system not in ("ddp", "alone") else None,
@@ -232,6 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", nargs="+", default=["vgg16", "resnet50"], dest="models")
     p.add_argument("--hosts", type=int, default=4, help="worker hosts (one worker each)")
     p.add_argument("--servers", type=int, default=4, help="bpstrain server hosts")
+    p.add_argument("--mixed", action="store_true",
+                   help="also a server on every worker host (mixed mode; --servers 0 is allowed)")
     p.add_argument("--rate-mbit", type=float, default=800.0, help="per-host link cap")
     p.add_argument("--batch-size", type=int, default=8, help="per worker")
     p.add_argument("--image-size", type=int, default=32)
@@ -261,7 +266,8 @@ def main(argv=None) -> int:
                      rate_mbit=args.rate_mbit, batch_size=args.batch_size,
                      image_size=args.image_size, num_classes=args.num_classes, iters=args.iters,
                      warmup=args.warmup, fp16=args.fp16, device=args.device, systems=args.systems,
-                     loopback=args.loopback, timeout_s=args.timeout, trace_dir=args.trace)
+                     loopback=args.loopback, timeout_s=args.timeout, trace_dir=args.trace,
+                     mixed=args.mixed)
     try:
         rows = run(plan)
     except (_jobs.BenchError, ValueError) as exc:
