@@ -58,6 +58,10 @@ def run(args) -> tuple[int, int, dict]:
     rank, size = bps.rank(), bps.size()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = get_model("digits_mlp", hidden=args.hidden)
+    if args.pad_mbytes > 0:
+        # Gradient bytes of a larger model: a parameter the loss touches (so it gets a
+        # gradient every step) without changing what the model computes.
+        model.pad = torch.nn.Parameter(torch.zeros(int(args.pad_mbytes * (1 << 20)) // 4))
     optimizer = bps.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum),
         named_parameters=model.named_parameters())
@@ -83,6 +87,8 @@ def run(args) -> tuple[int, int, dict]:
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x[batch]), y[batch])
+        if args.pad_mbytes > 0:
+            loss = loss + 0.0 * model.pad.sum()
         time.sleep(args.compute_ms / 1000.0 + stall_s(args, rank, rng))
         loss.backward()
         optimizer.step()
@@ -113,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--stall-factor", type=float, default=2.0)
     p.add_argument("--slow-rank", type=int, default=3)
     p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--pad-mbytes", type=float, default=0.0,
+                   help="extra gradient megabytes a step (a padding parameter)")
     args = p.parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks before a kill (_jobs)
     import torch

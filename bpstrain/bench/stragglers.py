@@ -46,6 +46,7 @@ class StragglerPlan:
     batch_size: int = 32
     hidden: int = 256
     compute_ms: float = 40.0
+    pad_mbytes: float = 0.0  # extra gradient bytes a step, so that the links matter
     target: float = 0.90
     eval_every: int = 10
     seed: int = 0
@@ -95,7 +96,8 @@ def _worker_argv(plan: StragglerPlan, scenario: str) -> list[str]:
     return [sys.executable, "-m", _WORKER, "--steps", str(plan.steps), "--batch-size",
             str(plan.batch_size), "--hidden", str(plan.hidden), "--compute-ms",
             str(plan.compute_ms), "--straggle", straggle, "--slow-rank", str(plan.hosts - 1),
-            "--eval-every", str(plan.eval_every), "--seed", str(plan.seed)]
+            "--eval-every", str(plan.eval_every), "--seed", str(plan.seed),
+            "--pad-mbytes", str(plan.pad_mbytes)]
 
 
 def run(plan: StragglerPlan, log=None) -> list[StragglerRow]:
@@ -169,6 +171,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--compute-ms", type=float, default=40.0,
                         help="emulated compute per step (a sleep, besides the real model)")
+    parser.add_argument("--pad-mbytes", type=float, default=0.0,
+                        help="extra gradient MB a step (a padding parameter): a communication-heavy model")
     parser.add_argument("--target", type=float, default=0.90, help="test accuracy to time")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
@@ -181,12 +185,14 @@ def run_args(args: argparse.Namespace) -> tuple[str, str, list[dict]]:
     plan = StragglerPlan(scenarios=args.scenarios, systems=args.systems, hosts=args.hosts,
                          servers=args.servers, rate_mbit=args.rate_mbit, steps=args.steps,
                          batch_size=args.batch_size, compute_ms=args.compute_ms,
+                         pad_mbytes=args.pad_mbytes,
                          target=args.target, eval_every=args.eval_every, seed=args.seed,
                          loopback=args.loopback, timeout_s=args.timeout)
     rows = run(plan)
     where = "loopback" if plan.loopback else f"{plan.rate_mbit:g} Mbit/s per host"
     title = (f"stragglers: {plan.hosts} workers, {plan.servers} servers, {where}, "
-             f"{plan.steps} steps of digits_mlp, {plan.compute_ms:g} ms compute a step")
+             f"{plan.steps} steps of digits_mlp, {plan.compute_ms:g} ms compute a step"
+             + (f", {plan.pad_mbytes:g} MB of extra gradients" if plan.pad_mbytes else ""))
     return title, format_table(rows, plan.target), [dataclasses.asdict(r) for r in rows]
 
 
