@@ -551,6 +551,15 @@ def drain_trace() -> list:
     return state.worker.drain_trace() if state.worker is not None else []
 
 
+def rounds_behind(name: str) -> int:
+    """Under k-of-n aggregation (``comm.aggregate=k:<K>``): how many rounds of ``name`` the
+    servers already answered that this worker has not started (0 when it keeps up, the
+    name is unknown, or the job is synchronous). A worker that fell behind takes those
+    answers with ``core_worker().enqueue(..., pull_only=True)`` instead of computing them."""
+    state = _require()
+    return state.worker.rounds_behind(name) if state.worker is not None else 0
+
+
 def stats() -> Dict[str, float]:
     """Bytes pushed/pulled and partitions completed by this worker so far, and the link
     measured at rendezvous (``link_bytes_per_s``, ``link_rtt_s``; 0 when not measured)."""

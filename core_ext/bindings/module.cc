@@ -590,22 +590,25 @@ PYBIND11_MODULE(_core, m) {
           "enqueue",
           [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
              py::buffer input, py::buffer output, Op op, int root, int priority, int participants,
-             const std::string& device, const std::string& layout, int64_t partition_bytes) {
+             const std::string& device, const std::string& layout, int64_t partition_bytes, bool pull_only) {
             BufferView in = View(input, false, "input"), out = View(output, true, "output");
             OpRequest r = MakeRequest(name, dtype, std::move(shape), op, root, priority, participants, device,
                                       layout, in, out);
             if (partition_bytes < 0)
               throw Error(Error::kConfig, "partition_bytes must be >= 0. Received: " + std::to_string(partition_bytes));
             r.partition_bytes = partition_bytes;
+            r.pull_only = pull_only;
             py::gil_scoped_release nogil;
             return w.Enqueue(r);
           },
           py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("input"), py::arg("output"),
           py::arg("op"), py::arg("root") = 0, py::arg("priority") = 0, py::arg("participants") = 0,
           py::arg("device") = "cpu", py::arg("layout") = "", py::arg("partition_bytes") = 0,
+          py::arg("pull_only") = false,
           "Queues one operation (`op`: Op.SUM, Op.AVERAGE or Op.BROADCAST); returns its handle.\n"
           "`device` and `layout` are compared across ranks with the shape and dtype;\n"
-          "`partition_bytes` > 0 overrides the worker's partition size for this tensor.")
+          "`partition_bytes` > 0 overrides the worker's partition size for this tensor; `pull_only`\n"
+          "(k-of-n catch-up) takes an answered round's result without contributing (input unread).")
       .def(
           "enqueue_at",
           [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
@@ -629,6 +632,9 @@ PYBIND11_MODULE(_core, m) {
       .def("wait", &Worker::WaitFor, py::arg("handle"), py::arg("seconds"),
            py::call_guard<py::gil_scoped_release>())
       .def("describe", &Worker::Describe, py::arg("handle"))
+      .def("rounds_behind", &Worker::RoundsBehind, py::arg("name"),
+           "k-of-n: rounds of `name` the servers answered that this worker has not started;\n"
+           "enqueue(..., pull_only=True) that many times to take their results without computing.")
       .def("partitions", &Worker::Partitions, py::arg("name"),
            "(offset, bytes, server) of each partition of a placed tensor; [] before that.")
       .def("stats",

@@ -31,6 +31,9 @@ struct OpRequest {
   // > 0: this tensor's partition size, for an adapter that already cut a tensor into
   // pieces (CUDA staging chunks) that the engine should not cut again; 0 = the worker's.
   int64_t partition_bytes = 0;
+  // k-of-n catch-up: take the result of a round the other workers already completed,
+  // contributing nothing (`input` is not read). See Worker::RoundsBehind.
+  bool pull_only = false;
 };
 
 // A worker's record of one queued operation (defined in worker.cc); the policy and the

@@ -336,6 +336,7 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
   p.dtype = static_cast<DType>(dtype);
   p.len = static_cast<uint64_t>(h.arg);
   p.broadcast = h.flags & kFlagBroadcast;
+  p.pull_only = empty && !p.broadcast;
   if (h.arg < 0 || p.len > kMaxBodyLen || p.len % DTypeSize(p.dtype) != 0 ||
       (empty ? h.body_len != 0 : h.body_len != p.len))
     throw FrameError("push of key " + std::to_string(h.key) + " has inconsistent lengths (arg=" +
@@ -351,6 +352,8 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
   if (p.complete_at < 1 || p.complete_at > p.expected || (p.broadcast && p.complete_at != p.expected))
     throw FrameError("push completes its round at " + std::to_string(p.complete_at) + " of " +
                      std::to_string(p.expected) + " pushes" + (p.broadcast ? " (a broadcast needs all)" : ""));
+  if (p.pull_only && p.complete_at == p.expected)
+    throw FrameError("a push without a body outside a broadcast or a k-of-n round");
   return p;
 }
 
@@ -360,6 +363,9 @@ void Server::Process(EngineThread* et, Task& t) {
   const std::string what = "partition " + std::to_string(p.key) + " round " + std::to_string(p.version);
   auto done = et->finished.find({p.key, p.version});
   if (done != et->finished.end()) return AnswerLate(et, done, t);
+  if (p.pull_only)  // never a contribution: only rounds the others completed are pulled
+    return reject(what + ": a catch-up pull for a round this server does not keep answered "
+                         "(not complete yet, or forgotten after round_timeout)");
   auto it = et->rounds.find({p.key, p.version});
   if (it == et->rounds.end()) {
     if (p.complete_at < p.expected) {
@@ -424,7 +430,14 @@ void Server::Process(EngineThread* et, Task& t) {
   reply.key = p.key;
   reply.version = p.version;
   reply.arg = r.pushes;  // how many pushes the answer sums (k-of-n workers average by it)
-  const std::string meta = error.empty() ? "" : MetaWriter().Str(error).bytes();
+  std::string meta;
+  if (!error.empty()) {
+    meta = MetaWriter().Str(error).bytes();
+  } else if (r.complete_at < r.expected) {
+    auto through = et->finished_through.find(p.key);
+    const uint64_t newest = through == et->finished_through.end() ? p.version : std::max(through->second, p.version);
+    meta = MetaWriter().I64(static_cast<int64_t>(newest)).bytes();
+  }
   for (size_t i = 0; i < pr.waiters.size(); ++i) {
     std::shared_ptr<Buffer> body = error.empty() ? et->handler->OnPull(r, r.senders[i]) : nullptr;
     reply.body_len = body ? r.len : 0;
@@ -468,7 +481,10 @@ void Server::AnswerLate(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>
   reply.arg = r.pushes;
   std::shared_ptr<Buffer> body = f.error.empty() ? et->handler->OnPull(r, p.sender) : nullptr;
   reply.body_len = body ? r.len : 0;
-  t.from->Reply(reply, f.error.empty() ? "" : MetaWriter().Str(f.error).bytes(), std::move(body));
+  const std::string meta = f.error.empty()
+                               ? MetaWriter().I64(static_cast<int64_t>(et->finished_through[p.key])).bytes()
+                               : MetaWriter().Str(f.error).bytes();
+  t.from->Reply(reply, meta, std::move(body));
   t.push.body.reset();  // the late gradient goes back to the pool now
   f.answered.push_back(p.sender);
   if (static_cast<int>(f.answered.size()) >= r.expected) ForgetFinished(et, it);

@@ -56,7 +56,11 @@ enum PushFlags : uint16_t {
 // kPush meta: u32 participants (ranks whose pushes the round expects), then u32 root (a
 // broadcast's; 0xffffffff otherwise), then u32 complete_at (k-of-n aggregation: the round
 // is answered once this many pushes are in; absent = participants).
-// kPullReply: `arg` holds the number of pushes summed into the answer, and flags:
+// A kPush with kFlagEmpty that is not a broadcast is a catch-up pull: a k-of-n worker
+// that fell behind takes an answered round's result without contributing.
+// kPullReply: `arg` holds the number of pushes summed into the answer; a k-of-n round's
+// answer has meta i64 = the newest round of that partition the server answered early
+// (how far the others are), and flags:
 enum ReplyFlags : uint16_t {
   kFlagLate = 1,  // the round completed before this worker's push; its push was dropped
 };

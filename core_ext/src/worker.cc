@@ -227,6 +227,9 @@ int64_t Worker::Enqueue(const OpRequest& req) {
   if (req.dtype == DType::kCompressed && req.op != Op::kSum)
     throw Error(Error::kConfig, "compressed tensors are push_pulled with Op.SUM: the servers re-encode the "
                                 "sum, and the adapter averages after decoding");
+  if (req.pull_only && (!KOfN() || req.op == Op::kBroadcast || req.participants != 0))
+    throw Error(Error::kConfig, "tensor '" + req.name + "': a catch-up pull (pull_only) needs k-of-n "
+                                "aggregation (comm.aggregate k:<K>) and a sum or an average over the whole job");
   if (req.dtype == DType::kCompressed && KOfN())
     throw Error(Error::kConfig, "comm.aggregate k:" + std::to_string(opts_.aggregate) +
                                     " does not combine with compression yet: the adapter averages a "
@@ -395,7 +398,7 @@ void Worker::SenderLoop(DataConn* c) {
     }
     const OpRequest& req = t.op->req;
     const bool bcast = req.op == Op::kBroadcast;
-    const bool send_body = !bcast || req.root == rank_;
+    const bool send_body = !req.pull_only && (!bcast || req.root == rank_);
     FrameHeader h;
     h.type = static_cast<uint16_t>(MsgType::kPush);
     h.key = t.key;
@@ -473,7 +476,20 @@ void Worker::ReceiverLoop(DataConn* c) {
           DivideInPlace(req.dtype, dst, static_cast<size_t>(t.len) / DTypeSize(req.dtype),
                         summed < participants ? summed : size_);
       }
+      // k-of-n answers say the newest round the server answered early: how far the
+      // other workers are (RoundsBehind).
+      int64_t newest = -1;
+      if (ok && CompleteAt(req) < participants) {
+        newest = MetaReader(meta).I64();
+        if (newest < static_cast<int64_t>(h.version))
+          throw FrameError("reply for round " + std::to_string(h.version) + " says round " +
+                           std::to_string(newest) + " is the newest answered");
+      }
       std::lock_guard<std::mutex> lk(mu_);
+      if (newest >= 0) {
+        uint64_t& answered = answered_rounds_[static_cast<int64_t>(h.key >> kPartBits)];
+        answered = std::max(answered, static_cast<uint64_t>(newest) + 1);
+      }
       stats_.bytes_pulled += ok ? t.len : 0;
       stats_.late_partitions += ok && (h.flags & kFlagLate) ? 1 : 0;
       ++stats_.partitions;
@@ -576,6 +592,15 @@ std::string Worker::Describe(int64_t id) {
   return what + " of '" + h.req.name + "' round " + std::to_string(h.version) + ": " +
          std::to_string(h.remaining) + " of " + std::to_string(h.total_parts) +
          " partitions still waiting for other ranks or servers";
+}
+
+int64_t Worker::RoundsBehind(const std::string& name) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto t = registry_.Find(name);
+  if (!t || t->id < 0) return 0;
+  auto it = answered_rounds_.find(t->id);
+  if (it == answered_rounds_.end() || it->second <= t->next_version) return 0;
+  return static_cast<int64_t>(it->second - t->next_version);
 }
 
 std::vector<std::array<int64_t, 3>> Worker::Partitions(const std::string& name) {

@@ -135,6 +135,11 @@ class Worker {
   // The partition table of a tensor the scheduler has placed: (offset, bytes, server)
   // per partition; empty while its declaration is still pending or unknown.
   std::vector<std::array<int64_t, 3>> Partitions(const std::string& name);
+  // Under k-of-n aggregation: rounds of `name` that the servers already answered and this
+  // worker has not started (0 when it is not behind, or the name is unknown). A worker
+  // that fell behind catches up with that many pull_only operations instead of computing
+  // their gradients.
+  int64_t RoundsBehind(const std::string& name);
   WorkerStats stats();
   void SetTrace(bool on);
   std::vector<TraceRecord> DrainTrace();
@@ -199,6 +204,8 @@ class Worker {
   std::deque<std::shared_ptr<OpHandle>> barrier_waiters_;
   int64_t next_handle_ = 1;
   WorkerStats stats_;
+  // tensor id -> rounds the servers answered early (k-of-n): the newest answered + 1
+  std::map<int64_t, uint64_t> answered_rounds_;
   std::unique_ptr<LocalGroup> group_;  // hierarchical mode only
   uint64_t next_group_ticket_ = 0;     // the order of group_->Submit (LocalGroup::Submit)
   bool trace_ = false;

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bpstrain import _core
-from bpstrain.errors import ConfigError
+from bpstrain.errors import BpsError, ConfigError
 from tests.engine.harness import InProcessCluster, push_pull, wait
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport")]
@@ -155,3 +155,56 @@ def test_k_of_n_refuses_what_it_cannot_do():
         sched.stop()
     with pytest.raises(ConfigError, match="aggregate must be >= 0"):
         _core.Worker("127.0.0.1", 9, aggregate=-1)
+
+
+def test_a_worker_behind_catches_up_with_pulls_that_do_not_count():
+    with InProcessCluster(3, 2, partition_bytes=256, aggregate=2) as c:
+        fast_done = threading.Barrier(2)
+        slow_may_go = threading.Event()
+
+        def job(rank, w):
+            declare(w, "c", [300])
+            if rank < 2:  # three rounds without rank 2
+                outs = [push_pull(w, "c", np.full(300, 10.0 * v + rank, np.float32), op=AVERAGE)
+                        for v in range(3)]
+                if fast_done.wait(20) == 0:
+                    slow_may_go.set()
+                return outs, w.rounds_behind("c")
+            assert slow_may_go.wait(20)
+            assert w.rounds_behind("c") == 0  # it has not heard from the servers yet
+            outs = [push_pull(w, "c", np.full(300, 99.0, np.float32), op=AVERAGE)]  # late: round 0
+            behind = w.rounds_behind("c")
+            for _ in range(behind):  # rounds 1 and 2: take the answers, contribute nothing
+                dummy, out = np.full(300, 1e6, np.float32), np.empty(300, np.float32)
+                wait(w, w.enqueue("c", "float32", [300], dummy, out, AVERAGE, pull_only=True))
+                outs.append(out)
+            return outs, (behind, w.rounds_behind("c"), w.stats()["late_partitions"])
+
+        res = c.run_all(job)
+        expect = [np.full(300, 10.0 * v + 0.5, np.float32) for v in range(3)]
+        for outs, _ in res:
+            assert len(outs) == 3
+            for got, want in zip(outs, expect):
+                np.testing.assert_array_equal(got, want)
+        assert res[0][1] == res[1][1] == 0
+        behind, after, late = res[2][1]
+        assert (behind, after) == (2, 0) and late == 3 * len(c.workers[2].partitions("c"))
+        assert sum(s.stats()["pending_rounds"] for s in c.servers) == 0
+
+
+def test_catch_up_pulls_are_refused_where_they_could_count():
+    with InProcessCluster(2, 1, aggregate=1) as c:
+        def job(rank, w):
+            declare(w, "p", [4])
+            x, out = np.ones(4, np.float32), np.empty(4, np.float32)
+            if rank == 0:  # round 0 is not answered: a pull may not open or join it
+                with pytest.raises(BpsError, match="catch-up pull for a round this server does not keep"):
+                    wait(w, w.enqueue("p", "float32", [4], x, out, AVERAGE, pull_only=True))
+            with pytest.raises(ConfigError, match="needs k-of-n aggregation"):
+                w.enqueue("p", "float32", [4], x, out, BROADCAST, pull_only=True)
+            return True
+        assert all(c.run_all(job))
+    with InProcessCluster(2, 1) as c:
+        with pytest.raises(ConfigError, match="needs k-of-n aggregation"):
+            x = np.ones(4, np.float32)
+            c.workers[0].enqueue("q", "float32", [4], x, x, AVERAGE, pull_only=True)
