@@ -153,6 +153,8 @@ def _connect(state: _State) -> None:
         authenticate_bodies=bool(o["authenticate_bodies"]),
         transport=str(o["transport"]),
         aggregate=aggregate_count(o["aggregate"]),
+        consistency=str(o["consistency"]),
+        staleness_lr=bool(o["staleness_lr"]),
     )
     worker.start()
     try:

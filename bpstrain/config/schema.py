@@ -102,6 +102,17 @@ def check_aggregate(value: Any) -> str:
     return f"k:{k}" if k else "all"
 
 
+def check_consistency(value: Any) -> str:
+    """Normalizes ``comm.consistency``: ``sync``, ``ssp:<s>`` (0 <= s <= 1000) or ``async``."""
+    if isinstance(value, bool) or not isinstance(value, str):
+        raise ValueError(f"a string, not {type(value).__name__}")
+    text = value.strip().lower()
+    match = re.fullmatch(r"ssp:(\d+)", text)
+    if text in ("sync", "async") or (match and int(match.group(1)) <= 1000):
+        return text
+    raise ValueError(f"'sync', 'ssp:<s>' (0 <= s <= 1000) or 'async'. Received: {value!r}")
+
+
 def hierarchical_mode(value: Any) -> str:
     """Reads ``comm.hierarchical`` (a bool, or a string such as "auto", "true", "0").
 
@@ -351,6 +362,19 @@ class CommConfig:
         "N-K slow workers never hold up a step. Sums and averages over the whole job on "
         "the flat path (turns comm.hierarchical=auto off); not with compression.",
         "BPSTRAIN_AGGREGATE", parse=check_aggregate, expected="'all' or 'k:<K>' (e.g. 'k:3')")
+    consistency: str = knob(
+        "sync", "sync = every worker steps its optimizer on the averaged gradients; ssp:<s> "
+        "(bounded staleness) and async = the servers hold the weights (started from rank 0's "
+        "model) and apply the optimizer themselves (torch SGD/Adam; Keras SGD/Adam): ssp:<s> "
+        "averages each step's gradients and lets no worker run more than s steps ahead of the "
+        "slowest (ssp:0 equals sync), async applies every push at once with the learning rate "
+        "divided by the worker count. fp32 parameters; not with compression or comm.aggregate.",
+        "BPSTRAIN_CONSISTENCY", parse=check_consistency,
+        expected="'sync', 'ssp:<s>' or 'async' (e.g. 'ssp:4')")
+    staleness_lr: bool = knob(
+        False, "async only: divide each push's learning rate by its staleness (updates the "
+        "servers applied since that worker last read the weights, at least 1) instead of by "
+        "the worker count.", "BPSTRAIN_STALENESS_LR")
     compression: str = knob(
         "none", "Gradient compression of the Trainer's DistributedOptimizer (torch and "
         "Keras): none | fp16 | bf16 | onebit | topk:<ratio> | randomk:<ratio> | "

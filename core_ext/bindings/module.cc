@@ -529,9 +529,12 @@ PYBIND11_MODULE(_core, m) {
                        int connections_per_server, bool priority, const std::string& numa,
                        double rendezvous_timeout, const std::string& secret, int hierarchical,
                        int socket_send_buffer, const std::string& advertise_host, const std::string& host_id,
-                       const std::string& transport, bool authenticate_bodies, int aggregate) {
+                       const std::string& transport, bool authenticate_bodies, int aggregate,
+                       const std::string& consistency, bool staleness_lr) {
              WorkerOptions o;
              o.aggregate = aggregate;
+             o.consistency = consistency;
+             o.staleness_lr = staleness_lr;
              o.transport = transport;
              o.authenticate_bodies = authenticate_bodies;
              o.advertise_host = advertise_host;
@@ -558,7 +561,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("numa") = "auto", py::arg("rendezvous_timeout") = 120.0, py::arg("secret") = "",
            py::arg("hierarchical") = static_cast<int>(WorkerOptions::kAuto), py::arg("socket_send_buffer") = -1,
            py::arg("advertise_host") = "", py::arg("host_id") = "", py::arg("transport") = "tcp",
-           py::arg("authenticate_bodies") = true, py::arg("aggregate") = 0)
+           py::arg("authenticate_bodies") = true, py::arg("aggregate") = 0, py::arg("consistency") = "sync",
+           py::arg("staleness_lr") = false)
       .def("start", &Worker::Start)
       .def("wait_ready", &Worker::WaitReady, py::arg("seconds"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Worker::rank)
@@ -590,7 +594,8 @@ PYBIND11_MODULE(_core, m) {
           "enqueue",
           [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
              py::buffer input, py::buffer output, Op op, int root, int priority, int participants,
-             const std::string& device, const std::string& layout, int64_t partition_bytes, bool pull_only) {
+             const std::string& device, const std::string& layout, int64_t partition_bytes, bool pull_only,
+             int param, double lr, const std::string& server_optimizer) {
             BufferView in = View(input, false, "input"), out = View(output, true, "output");
             OpRequest r = MakeRequest(name, dtype, std::move(shape), op, root, priority, participants, device,
                                       layout, in, out);
@@ -598,21 +603,29 @@ PYBIND11_MODULE(_core, m) {
               throw Error(Error::kConfig, "partition_bytes must be >= 0. Received: " + std::to_string(partition_bytes));
             r.partition_bytes = partition_bytes;
             r.pull_only = pull_only;
+            r.param = param;
+            r.lr = lr;
+            r.server_optimizer = server_optimizer;
             py::gil_scoped_release nogil;
             return w.Enqueue(r);
           },
           py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("input"), py::arg("output"),
           py::arg("op"), py::arg("root") = 0, py::arg("priority") = 0, py::arg("participants") = 0,
           py::arg("device") = "cpu", py::arg("layout") = "", py::arg("partition_bytes") = 0,
-          py::arg("pull_only") = false,
+          py::arg("pull_only") = false, py::arg("param") = 0, py::arg("lr") = 0.0,
+          py::arg("server_optimizer") = "",
           "Queues one operation (`op`: Op.SUM, Op.AVERAGE or Op.BROADCAST); returns its handle.\n"
           "`device` and `layout` are compared across ranks with the shape and dtype;\n"
           "`partition_bytes` > 0 overrides the worker's partition size for this tensor; `pull_only`\n"
-          "(k-of-n catch-up) takes an answered round's result without contributing (input unread).")
+          "(k-of-n catch-up) takes an answered round's result without contributing (input unread).\n"
+          "`param` (comm.consistency ssp/async): 1 = init, a broadcast the servers keep as the weights\n"
+          "and step with `server_optimizer` ('sgd momentum=0.9', 'adam eps=1e-8', ...); 2 = update, an\n"
+          "Op.SUM push of the gradient answered with the weights, `lr` the step's learning rate.")
       .def(
           "enqueue_at",
           [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
-             uintptr_t input, uintptr_t output, size_t nbytes, Op op, int priority) {
+             uintptr_t input, uintptr_t output, size_t nbytes, Op op, int priority, int param, double lr,
+             const std::string& server_optimizer) {
             // For adapters whose tensors are not buffer objects (torch): the caller vouches
             // that both addresses hold `nbytes` of C-contiguous memory and keeps them alive
             // until the operation is over (bpstrain.engine.submit_at does both).
@@ -620,11 +633,15 @@ PYBIND11_MODULE(_core, m) {
             OpRequest r = MakeRequest(name, dtype, std::move(shape), op, 0, priority, 0, "cpu", "",
                                       {reinterpret_cast<void*>(input), nbytes},
                                       {reinterpret_cast<void*>(output), nbytes});
+            r.param = param;
+            r.lr = lr;
+            r.server_optimizer = server_optimizer;
             py::gil_scoped_release nogil;
             return w.Enqueue(r);
           },
           py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("input"), py::arg("output"),
-          py::arg("nbytes"), py::arg("op"), py::arg("priority") = 0,
+          py::arg("nbytes"), py::arg("op"), py::arg("priority") = 0, py::arg("param") = 0, py::arg("lr") = 0.0,
+          py::arg("server_optimizer") = "",
           "Like `enqueue` with the buffers given as addresses of `nbytes` each (CPU memory the\n"
           "caller keeps alive until the operation is over).")
       .def("enqueue_barrier", &Worker::EnqueueBarrier, py::call_guard<py::gil_scoped_release>())
@@ -645,6 +662,8 @@ PYBIND11_MODULE(_core, m) {
              d["bytes_pulled"] = s.bytes_pulled;
              d["partitions"] = s.partitions;
              d["late_partitions"] = s.late_partitions;
+             d["weight_answers"] = s.weight_answers;
+             d["max_staleness"] = s.max_staleness;
              // The link measured at rendezvous (0 when not measured): adapters that weigh
              // compute against wire time (compression's auto mode) read it here.
              d["link_bytes_per_s"] = w.link().bytes_per_s;

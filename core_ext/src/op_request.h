@@ -34,6 +34,13 @@ struct OpRequest {
   // k-of-n catch-up: take the result of a round the other workers already completed,
   // contributing nothing (`input` is not read). See Worker::RoundsBehind.
   bool pull_only = false;
+  // Server-held weights (comm.consistency ssp/async; param_store.h): 1 = init, a
+  // broadcast whose result the servers keep as the weights and step with
+  // `server_optimizer`; 2 = update, an Op::kSum push of the gradient answered with the
+  // weights, `lr` this step's learning rate. 0 = neither.
+  int param = 0;
+  double lr = 0;
+  std::string server_optimizer;
 };
 
 // A worker's record of one queued operation (defined in worker.cc); the policy and the

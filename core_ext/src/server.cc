@@ -74,6 +74,7 @@ void Server::Run() {
     engines_.push_back(std::make_unique<EngineThread>());
     EngineThread* et = engines_.back().get();
     et->handler = opts_.handler ? opts_.handler(pool_) : std::make_unique<SumHandler>(pool_);
+    et->params = std::make_unique<ParamStore>(pool_);
     et->thread = std::thread([this, et, i] { EngineLoop(et, i); });
   }
   accept_thread_ = std::thread([this] { AcceptLoop(); });
@@ -248,7 +249,8 @@ void Server::EngineLoop(EngineThread* et, int index) {
     }
     if (!t.from) return;
     Process(et, t);
-    et->pending.store(static_cast<int64_t>(et->rounds.size() + et->finished.size() + et->held.size()));
+    et->pending.store(static_cast<int64_t>(et->rounds.size() + et->finished.size() + et->held.size() +
+                                             et->param_waiters.size()));
     if (SecondsSince(last_sweep) > 1.0) {
       ExpireRounds(et);
       last_sweep = Clock::now();
@@ -297,7 +299,12 @@ void Server::ExpireRounds(EngineThread* et) {
     it = et->held.erase(it);
     ++expired_rounds_;
   }
-  et->pending.store(static_cast<int64_t>(et->rounds.size() + et->finished.size() + et->held.size()));
+  std::vector<ParamStore::Answer> expired;
+  et->params->Expire(limit, &expired);
+  expired_rounds_ += static_cast<int64_t>(expired.size());
+  SendParamAnswers(et, expired);
+  et->pending.store(static_cast<int64_t>(et->rounds.size() + et->finished.size() + et->held.size() +
+                                         et->param_waiters.size()));
 }
 
 void Server::ForgetFinished(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it) {
@@ -354,11 +361,35 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
                      std::to_string(p.expected) + " pushes" + (p.broadcast ? " (a broadcast needs all)" : ""));
   if (p.pull_only && p.complete_at == p.expected)
     throw FrameError("a push without a body outside a broadcast or a k-of-n round");
+  if (h.meta_len < 16) return p;
+  const uint32_t param = r.U32();
+  if (param == kParamInit) {
+    if (!p.broadcast || p.dtype != DType::kFloat32)
+      throw FrameError("a weights init that is not an fp32 broadcast");
+    const std::string consistency = r.Str();
+    const uint32_t staleness_lr = r.U32();
+    const std::string optimizer = r.Str();
+    std::string bad = ParseConsistency(consistency, &p.consistency);
+    if (bad.empty() && p.consistency.mode == ConsistencySpec::kSync) bad = "a weights init under sync consistency";
+    if (bad.empty()) bad = ParseServerOptimizer(optimizer, &p.optimizer);
+    if (!bad.empty() || staleness_lr > 1) throw FrameError("weights init: " + (bad.empty() ? "bad flag" : bad));
+    p.consistency.staleness_lr = staleness_lr == 1;
+    p.param_spec = consistency + (staleness_lr ? " staleness_lr " : " ") + optimizer;
+  } else if (param == kParamUpdate) {
+    if (p.broadcast || empty || p.dtype != DType::kFloat32 || p.complete_at != p.expected)
+      throw FrameError("a weights update that is not a full fp32 push");
+    p.lr = r.F64();
+  } else {
+    throw FrameError("push with unknown parameter operation " + std::to_string(param));
+  }
+  if (!r.AtEnd()) throw FrameError("push metadata has trailing bytes");
+  p.param = static_cast<ParamOp>(param);
   return p;
 }
 
 void Server::Process(EngineThread* et, Task& t) {
   const Push& p = t.push;
+  if (p.param == kParamUpdate) return ProcessParamUpdate(et, t);
   auto reject = [&](const std::string& msg) { Reject(t, msg); };
   const std::string what = "partition " + std::to_string(p.key) + " round " + std::to_string(p.version);
   auto done = et->finished.find({p.key, p.version});
@@ -391,6 +422,10 @@ void Server::Process(EngineThread* et, Task& t) {
     r.complete_at = p.complete_at;
     r.broadcast = p.broadcast;
     r.root = p.root;
+    it->second.param = p.param;
+    it->second.param_spec = p.param_spec;
+    it->second.consistency = p.consistency;
+    it->second.optimizer = p.optimizer;
   }
   PendingRound& pr = it->second;
   Round& r = pr.round;
@@ -409,6 +444,9 @@ void Server::Process(EngineThread* et, Task& t) {
                std::to_string(r.senders.empty() ? -1 : r.senders[0]) + " says root_rank=" + std::to_string(r.root) +
                ", rank " + std::to_string(p.sender) + " says root_rank=" + std::to_string(p.root) +
                "); pass the same root_rank on every rank";
+  if ((pr.param != p.param || pr.param_spec != p.param_spec) && pr.error.empty())
+    pr.error = what + ": ranks disagree on the server-held weights (comm.consistency and the server "
+                      "optimizer): '" + pr.param_spec + "' vs '" + p.param_spec + "'; every rank needs the same";
   if (r.complete_at < r.expected && p.dtype == DType::kCompressed && pr.error.empty())
     pr.error = what + ": k-of-n aggregation (comm.aggregate) does not combine with compression";
   pr.waiters.push_back(t.from);
@@ -425,6 +463,17 @@ void Server::Process(EngineThread* et, Task& t) {
   if (!et->handler->Complete(r)) return;
 
   error = pr.error.empty() ? et->handler->OnRoundComplete(r) : pr.error;
+  if (error.empty() && pr.param == kParamInit) {
+    // The weights start from the root's model (BytePS's async mode started from zeros).
+    if (!r.result || r.result->size() < r.len) {
+      error = what + ": a weights init without the root's weights";
+    } else {
+      std::vector<ParamStore::Answer> dropped;
+      et->params->Init(p.key, reinterpret_cast<const float*>(r.result->data()), r.len / sizeof(float), r.expected,
+                       pr.consistency, pr.optimizer, &dropped);
+      SendParamAnswers(et, dropped);
+    }
+  }
   FrameHeader reply;
   reply.type = static_cast<uint16_t>(error.empty() ? MsgType::kPullReply : MsgType::kError);
   reply.key = p.key;
@@ -488,6 +537,37 @@ void Server::AnswerLate(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>
   t.push.body.reset();  // the late gradient goes back to the pool now
   f.answered.push_back(p.sender);
   if (static_cast<int>(f.answered.size()) >= r.expected) ForgetFinished(et, it);
+}
+
+void Server::ProcessParamUpdate(EngineThread* et, Task& t) {
+  const Push& p = t.push;
+  const auto id = std::make_tuple(p.key, p.sender, p.version);
+  if (et->param_waiters.count(id))
+    return Reject(t, "duplicate push of partition " + std::to_string(p.key) + " round " + std::to_string(p.version) +
+                         " from the same worker");
+  std::vector<ParamStore::Answer> ready;
+  const std::string error = et->params->Update(p.key, p.sender, p.version, reinterpret_cast<const float*>(p.body->data()),
+                                               p.len / sizeof(float), p.lr, &ready);
+  t.push.body.reset();  // the gradient is in the sums or applied: its buffer goes back now
+  if (!error.empty()) return Reject(t, error);
+  et->param_waiters.emplace(id, t.from);
+  SendParamAnswers(et, ready);
+}
+
+void Server::SendParamAnswers(EngineThread* et, std::vector<ParamStore::Answer>& answers) {
+  for (ParamStore::Answer& a : answers) {
+    auto w = et->param_waiters.find(std::make_tuple(a.key, a.worker, a.version));
+    if (w == et->param_waiters.end()) continue;
+    FrameHeader reply;
+    reply.type = static_cast<uint16_t>(a.error.empty() ? MsgType::kPullReply : MsgType::kError);
+    reply.key = a.key;
+    reply.version = a.version;
+    reply.arg = num_workers_;
+    reply.body_len = a.weights ? a.weights->size() : 0;
+    w->second->Reply(reply, a.error.empty() ? MetaWriter().I64(a.staleness).bytes() : MetaWriter().Str(a.error).bytes(),
+                     a.error.empty() ? std::move(a.weights) : nullptr);
+    et->param_waiters.erase(w);
+  }
 }
 
 }  // namespace bps

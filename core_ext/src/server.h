@@ -19,12 +19,14 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "buffer_pool.h"
 #include "common.h"
 #include "connection_threads.h"
 #include "control.h"
+#include "param_store.h"
 #include "secure_link.h"
 #include "server_handler.h"
 #include "transport.h"
@@ -81,6 +83,10 @@ class Server {
     Clock::time_point started = Clock::now();
     std::string error;  // set when the pushes disagree: every waiter gets it at the end
     std::vector<std::shared_ptr<Conn>> waiters;  // in push order
+    ParamOp param = kParamNone;  // kParamInit: the result becomes the servers' weights
+    std::string param_spec;
+    ConsistencySpec consistency;
+    ServerOptimizer optimizer;
   };
   // A k-of-n round answered before every participant pushed: the late pushers get the
   // same answer (their pushes are dropped), so it stays until each has it, or until
@@ -103,6 +109,10 @@ class Server {
     // New rounds of a key whose backlog is full wait here for the late workers (memory
     // stays bounded: at most kMaxLateRounds finished rounds per key).
     std::deque<Task> held;
+    // Server-held weights of this thread's keys, and the connections whose updates wait
+    // for their answer, by (key, worker, version).
+    std::unique_ptr<ParamStore> params;
+    std::map<std::tuple<uint64_t, int, uint64_t>, std::shared_ptr<Conn>> param_waiters;
     // rounds, finished and held together, for stats() from other threads
     std::atomic<int64_t> pending{0};
     std::thread thread;
@@ -121,6 +131,8 @@ class Server {
   void Process(EngineThread* et, Task& t);
   void AnswerLate(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it,
                   Task& t);
+  void ProcessParamUpdate(EngineThread* et, Task& t);
+  void SendParamAnswers(EngineThread* et, std::vector<ParamStore::Answer>& answers);
   void ForgetFinished(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it);
   void ReleaseHeld(EngineThread* et, uint64_t key);
   static void Reject(Task& t, const std::string& msg);

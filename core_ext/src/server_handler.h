@@ -26,6 +26,8 @@
 
 #include "buffer_pool.h"
 #include "common.h"
+#include "param_store.h"
+#include "wire.h"
 
 namespace bps {
 
@@ -42,6 +44,12 @@ struct Push {
   int sender = -1;         // the worker's rank
   int root = -1;           // broadcast: the root this worker named (-1 = not said)
   std::shared_ptr<Buffer> body;  // null for an empty push (a broadcast's non-root)
+  // Server-held weights (param_store.h): an init round or a gradient update.
+  ParamOp param = kParamNone;
+  std::string param_spec;       // init: the consistency and optimizer as sent (ranks must agree)
+  ConsistencySpec consistency;  // init
+  ServerOptimizer optimizer;    // init
+  double lr = 0;                // update
 };
 
 // The state of one (key, version) round; the server creates it at the first push and

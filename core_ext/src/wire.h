@@ -55,12 +55,18 @@ enum PushFlags : uint16_t {
 
 // kPush meta: u32 participants (ranks whose pushes the round expects), then u32 root (a
 // broadcast's; 0xffffffff otherwise), then u32 complete_at (k-of-n aggregation: the round
-// is answered once this many pushes are in; absent = participants).
+// is answered once this many pushes are in; absent = participants), then optionally u32
+// ParamOp (param_store.h, comm.consistency ssp/async):
+//   kParamInit (a broadcast from rank 0 whose result the servers keep as the weights):
+//     str consistency ("ssp:<s>" | "async"), u32 staleness_lr, str server optimizer;
+//   kParamUpdate (a gradient; the answer is the weights): f64 learning rate.
+enum ParamOp : uint32_t { kParamNone = 0, kParamInit = 1, kParamUpdate = 2 };
 // A kPush with kFlagEmpty that is not a broadcast is a catch-up pull: a k-of-n worker
 // that fell behind takes an answered round's result without contributing.
 // kPullReply: `arg` holds the number of pushes summed into the answer; a k-of-n round's
 // answer has meta i64 = the newest round of that partition the server answered early
-// (how far the others are), and flags:
+// (how far the others are); a kParamUpdate's answer has `arg` = participants and meta
+// i64 = its staleness (ParamStore::Answer). Flags:
 enum ReplyFlags : uint16_t {
   kFlagLate = 1,  // the round completed before this worker's push; its push was dropped
 };
@@ -94,6 +100,7 @@ class MetaWriter {
  public:
   MetaWriter& U32(uint32_t v) { return Raw(&v, 4); }
   MetaWriter& I64(int64_t v) { return Raw(&v, 8); }
+  MetaWriter& F64(double v) { return Raw(&v, 8); }
   MetaWriter& Str(const std::string& s) {
     U32(static_cast<uint32_t>(s.size()));
     return Raw(s.data(), s.size());
@@ -118,6 +125,8 @@ class MetaReader {
   explicit MetaReader(const std::string& buf) : buf_(buf) {}
   uint32_t U32() { uint32_t v; Raw(&v, 4); return v; }
   int64_t I64() { int64_t v; Raw(&v, 8); return v; }
+  double F64() { double v; Raw(&v, 8); return v; }
+  bool AtEnd() const { return pos_ == buf_.size(); }
   std::string Str() {
     uint32_t n = U32();
     Need(n);

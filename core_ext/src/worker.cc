@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstdio>
 
 #include "affinity.h"
@@ -45,6 +46,12 @@ Worker::Worker(const WorkerOptions& opts) : opts_(opts), transport_(Transport::G
     throw Error(Error::kConfig, "local_rank must be in [0, local_size). Received: local_rank=" +
                                     std::to_string(opts.local_rank) + ", local_size=" +
                                     std::to_string(opts.local_size));
+  const std::string bad_consistency = ParseConsistency(opts.consistency, &consistency_);
+  if (!bad_consistency.empty()) throw Error(Error::kConfig, bad_consistency);
+  consistency_.staleness_lr = opts.staleness_lr;
+  if (consistency_.mode != ConsistencySpec::kSync && opts.aggregate > 0)
+    throw Error(Error::kConfig, "comm.aggregate k-of-n is for synchronous training; comm.consistency " +
+                                    opts.consistency + " already lets fast workers go ahead. Set one of them");
   if (opts.aggregate < 0)
     throw Error(Error::kConfig, "aggregate must be >= 0 (0 = every worker). Received: " +
                                     std::to_string(opts.aggregate));
@@ -163,6 +170,14 @@ void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
 
 bool Worker::UseHierarchy() const {
   if (opts_.hierarchical == WorkerOptions::kOff || opts_.local_size <= 1) return false;
+  if (consistency_.mode != ConsistencySpec::kSync) {
+    // The servers step each worker's clock (ssp) or push (async) on its own.
+    if (opts_.hierarchical == WorkerOptions::kOn)
+      throw Error(Error::kConfig, "comm.consistency " + opts_.consistency +
+                                      " needs the flat path; set comm.hierarchical to auto or false");
+    LogInfo("hierarchical mode (auto) is off: comm.consistency " + opts_.consistency + " counts single workers");
+    return false;
+  }
   if (KOfN()) {
     // The host's ranks reduce together, so one slow rank holds up its host's push: the
     // servers could only leave out whole hosts. k-of-n counts workers, on the flat path.
@@ -234,6 +249,24 @@ int64_t Worker::Enqueue(const OpRequest& req) {
     throw Error(Error::kConfig, "comm.aggregate k:" + std::to_string(opts_.aggregate) +
                                     " does not combine with compression yet: the adapter averages a "
                                     "compressed sum over every worker; use comm.aggregate=all");
+  if (req.param != 0) {
+    const std::string what = "tensor '" + req.name + "': server-held weights (comm.consistency ssp/async)";
+    ServerOptimizer parsed;
+    std::string bad;
+    if (consistency_.mode == ConsistencySpec::kSync)
+      bad = "comm.consistency is sync (set ssp:<s> or async on every worker)";
+    else if (req.dtype != DType::kFloat32)
+      bad = std::string("need fp32 tensors (keep fp32 master weights). Received: ") + DTypeName(req.dtype);
+    else if (req.param == 1 && (req.op != Op::kBroadcast || req.participants != 0))
+      bad = "an init is a broadcast over the whole job";
+    else if (req.param == 1)
+      bad = ParseServerOptimizer(req.server_optimizer, &parsed);
+    else if (req.param != 2 || req.op != Op::kSum || req.participants != 0 || req.pull_only)
+      bad = "an update is a sum over the whole job (param 2)";
+    else if (!(req.lr >= 0) || !std::isfinite(req.lr))
+      bad = "the learning rate must be finite and >= 0. Received: " + std::to_string(req.lr);
+    if (!bad.empty()) throw Error(Error::kConfig, what + ": " + bad);
+  }
   if (req.op == Op::kBroadcast && (req.root < 0 || req.root >= size_))
     throw Error(Error::kConfig, "broadcast root must be in [0, " + std::to_string(size_) +
                                     "). Received: root_rank=" + std::to_string(req.root));
@@ -413,9 +446,12 @@ void Worker::SenderLoop(DataConn* c) {
       meta.U32(participants);
       const int complete_at = CompleteAt(req);
       // The server checks every rank names the same root.
-      if (bcast || complete_at != static_cast<int>(participants))
+      if (bcast || complete_at != static_cast<int>(participants) || req.param)
         meta.U32(bcast ? static_cast<uint32_t>(req.root) : UINT32_MAX);
-      if (complete_at != static_cast<int>(participants)) meta.U32(static_cast<uint32_t>(complete_at));
+      if (complete_at != static_cast<int>(participants) || req.param) meta.U32(static_cast<uint32_t>(complete_at));
+      if (req.param == 1)
+        meta.U32(kParamInit).Str(opts_.consistency).U32(consistency_.staleness_lr ? 1 : 0).Str(req.server_optimizer);
+      if (req.param == 2) meta.U32(kParamUpdate).F64(req.lr);
       c->link->Send(h, meta.bytes(),
                     send_body ? static_cast<const char*>(req.input) + t.offset : nullptr, send_body ? t.len : 0);
     } catch (const Error& e) {
@@ -485,7 +521,16 @@ void Worker::ReceiverLoop(DataConn* c) {
           throw FrameError("reply for round " + std::to_string(h.version) + " says round " +
                            std::to_string(newest) + " is the newest answered");
       }
+      int64_t staleness = -1;
+      if (ok && req.param == 2) {
+        staleness = MetaReader(meta).I64();
+        if (staleness < 0) throw FrameError("weights answer with staleness " + std::to_string(staleness));
+      }
       std::lock_guard<std::mutex> lk(mu_);
+      if (staleness >= 0) {
+        ++stats_.weight_answers;
+        stats_.max_staleness = std::max(stats_.max_staleness, staleness);
+      }
       if (newest >= 0) {
         uint64_t& answered = answered_rounds_[static_cast<int64_t>(h.key >> kPartBits)];
         answered = std::max(answered, static_cast<uint64_t>(newest) + 1);

@@ -36,6 +36,7 @@
 #include "common.h"
 #include "control.h"
 #include "op_request.h"
+#include "param_store.h"
 #include "send_policy.h"
 #include "tensor_registry.h"
 #include "transport.h"
@@ -77,6 +78,11 @@ struct WorkerOptions {
   // average over the whole job is answered once `aggregate` workers pushed it, averaged
   // over those; a later push gets the same answer and is dropped. 0 = every worker.
   int aggregate = 0;
+  // comm.consistency: "sync" (workers step their optimizers), "ssp:<s>" or "async" (the
+  // servers hold the weights and step them: OpRequest::param). staleness_lr: async
+  // divides the learning rate by each push's staleness instead of the worker count.
+  std::string consistency = "sync";
+  bool staleness_lr = false;
 };
 
 // Wall-clock microseconds (system_clock) of one finished operation's phases, recorded
@@ -97,6 +103,11 @@ struct WorkerStats {
   // Partitions whose round was answered before this worker's push arrived (k-of-n):
   // its gradient did not count.
   int64_t late_partitions = 0;
+  // Server-held weights: answers received, and the largest staleness among them (ssp:
+  // this worker's clocks not yet in the weights, at most s; async: updates applied
+  // between its read and its push).
+  int64_t weight_answers = 0;
+  int64_t max_staleness = 0;
 };
 
 class Worker {
@@ -177,6 +188,7 @@ class Worker {
   std::shared_ptr<OpHandle> NewHandleLocked(const OpRequest& req);
 
   WorkerOptions opts_;
+  ConsistencySpec consistency_;
   std::vector<int> cpus_;
   ControlClient control_;
   std::thread rendezvous_thread_;

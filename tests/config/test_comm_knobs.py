@@ -43,6 +43,8 @@ BOUNDS = [  # key, environment variable, bad values, edge values that are fine
     ("hierarchical", "BPSTRAIN_HIERARCHICAL", ["maybe"], ["auto", "true", "false"]),
     ("timeout", "BPSTRAIN_TIMEOUT", [0, -1.5], [0.5]),
     ("aggregate", "BPSTRAIN_AGGREGATE", ["k:0", "most", "k:x", "3"], ["all", "k:3"]),
+    ("consistency", "BPSTRAIN_CONSISTENCY", ["ssp", "ssp:-1", "ssp:1001", "bsp"],
+     ["sync", "ssp:0", "ssp:1000", "async"]),
 ]
 
 
