@@ -364,7 +364,8 @@ def enqueue(
 def submit(name: str, dtype: str, shape, src, dst, op: Op, root: int = 0, priority: int = 0,
            participants: int = 0, device: str = "cpu", layout: str = "", result: Any = None,
            then: Optional[Callable[[Any], Any]] = None,
-           wrap: Optional[Callable[[Any], Any]] = None, partition_bytes: int = 0) -> int:
+           wrap: Optional[Callable[[Any], Any]] = None, partition_bytes: int = 0,
+           **server_weights) -> int:
     """Low level, for adapters that validated their input: queues one operation on buffers.
 
     ``src``/``dst`` are C-contiguous buffers of ``shape`` (0-d: pass ``(1,)``) in
@@ -379,6 +380,8 @@ def submit(name: str, dtype: str, shape, src, dst, op: Op, root: int = 0, priori
             before every rank can start.
         partition_bytes: > 0 for a piece the adapter cut itself (CUDA staging chunks):
             the engine sends it in partitions of this size instead of cutting it again.
+        server_weights: ``param``, ``lr``, ``server_optimizer`` of the server-held weights
+            (comm.consistency ssp/async; see ``_core.Worker.enqueue``).
     """
     state = _state or _require()
     worker = state.worker
@@ -391,7 +394,7 @@ def submit(name: str, dtype: str, shape, src, dst, op: Op, root: int = 0, priori
         pending = None
     else:
         handle = worker.enqueue(name, dtype, shape, src, dst, op, root, priority, participants,
-                                device, layout, partition_bytes)
+                                device, layout, partition_bytes, **server_weights)
         pending = src, dst
     if wrap is not None:
         result = wrap(dst)
@@ -400,19 +403,19 @@ def submit(name: str, dtype: str, shape, src, dst, op: Op, root: int = 0, priori
 
 
 def submit_at(name: str, dtype: str, shape, src: Any, dst: Any, nbytes: int, op: Op,
-              priority: int = 0) -> Optional[int]:
+              priority: int = 0, **server_weights) -> Optional[int]:
     """The thinnest submit, for adapters whose tensors are not buffer objects (torch).
 
     ``src`` and ``dst`` are C-contiguous CPU tensors of ``nbytes`` bytes each with
     ``data_ptr()``; they stay referenced until the operation is over, and
     :func:`synchronize` returns ``dst``. Returns ``None`` in a standalone process (no
-    engine: use :func:`submit`).
+    engine: use :func:`submit`). ``server_weights``: as for :func:`submit`.
     """
     state = _state or _require()
     if state.worker is None:
         return None
     handle = state.worker.enqueue_at(name, dtype, shape, src.data_ptr(), dst.data_ptr(), nbytes, op,
-                                     priority)
+                                     priority, **server_weights)
     state.ops[handle] = dst, (src, dst), None
     return handle
 

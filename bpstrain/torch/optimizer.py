@@ -326,13 +326,22 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         op: Horovod's ``bpstrain.torch.Average`` (default) or ``Sum`` of the gradients;
             ``Adasum`` raises ``NotImplementedError`` naming the alternative.
 
+    Under ``comm.consistency`` ``ssp:<s>`` or ``async`` the servers hold the weights and
+    apply SGD or Adam themselves: see :mod:`bpstrain.torch.server_optimizer`.
+
     Raises:
         ValueError: duplicate names, parameters missing from ``named_parameters``, or an
             optimizer that is already wrapped (its hooks would push_pull every gradient twice).
     """
+    from bpstrain import engine
     from bpstrain.torch.mpi_ops import _average
 
-    return _wrap(optimizer, _DistributedOptimizer.__dict__, named_parameters, compression,
+    methods = _DistributedOptimizer.__dict__
+    if engine.options().get("consistency", "sync") != "sync":
+        from bpstrain.torch.server_optimizer import _ServerOptimizer
+
+        methods = _ServerOptimizer.__dict__
+    return _wrap(optimizer, methods, named_parameters, compression,
                  backward_passes_per_step, fusion_threshold_bytes, _average(None, op))
 
 

@@ -93,6 +93,37 @@ def test_k_of_n_aggregation_leaves_out_a_slow_rank_and_keeps_models_equal():
     _assert_check(job, "check_a_slow_rank_does_not_count_yet_every_rank_keeps_the_same_model", 3)
 
 
+def _value(job, name, workers):
+    _assert_check(job, name, workers)
+    return job[1][name][0]["value"]
+
+
+DIGITS = "check_digits_200_steps_fingerprint"
+
+
+@pytest.mark.timeout(300)
+def test_ssp_0_with_the_optimizer_on_the_servers_equals_sync_bit_for_bit():
+    sync = _value(run_job(2, 1, ["torch_checks_consistency"]), DIGITS, 2)
+    ssp0 = _value(run_job(2, 1, ["torch_checks_consistency"], extra_env={"BPSTRAIN_CONSISTENCY": "ssp:0"}),
+                  DIGITS, 2)
+    assert ssp0["digest"] == sync["digest"], (sync, ssp0)
+    assert sync["accuracy"] > 0.9 and ssp0["max_staleness"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_async_with_lr_0_keeps_rank_0s_initial_weights():
+    job = run_job(2, 1, ["torch_checks_consistency"], extra_env={"BPSTRAIN_CONSISTENCY": "async"})
+    _assert_check(job, "check_async_lr_0_keeps_rank_0_initial_weights_exactly", 2)
+    assert _value(job, DIGITS, 2)["accuracy"] > 0.85  # async trains digits too
+
+
+@pytest.mark.timeout(300)
+def test_ssp_with_a_scripted_slow_rank_equals_an_in_process_replay():
+    job = run_job(2, 1, ["torch_checks_consistency"], extra_env={"BPSTRAIN_CONSISTENCY": "ssp:2"})
+    _assert_check(job, "check_ssp_with_a_scripted_slow_rank_equals_the_simulation", 2)
+    assert _value(job, DIGITS, 2)["max_staleness"] <= 2
+
+
 @pytest.mark.timeout(30)
 def test_jobs_exit_cleanly():
     for workers, servers in ((2, 1), (3, 2)):

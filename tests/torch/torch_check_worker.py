@@ -4,8 +4,9 @@
         python tests/torch/torch_check_worker.py torch_checks_api torch_checks_training
 
 Runs every ``check_*`` function of the named modules (in source order, the same on
-every rank) and prints one ``CHECK {"name", "rank", "ok", "error"}`` line per check, so
-one launch reports many results. A failing check does not stop the others; the op
+every rank) and prints one ``CHECK {"name", "rank", "ok", "error", "value"}`` line per
+check (``value``: what the check returned, for tests that compare jobs), so one launch
+reports many results. A failing check does not stop the others; the op
 timeout (BPSTRAIN_OP_TIMEOUT, set by the tests) bounds any wait it leaves behind.
 """
 
@@ -38,8 +39,8 @@ def main(argv):
     bps.init()
     for name, func in collect(argv):
         try:
-            func()
-            result = {"ok": True, "error": ""}
+            value = func()
+            result = {"ok": True, "error": "", "value": value}
         except BaseException as exc:  # report and go on with the next check
             result = {"ok": False, "error": "".join(traceback.format_exception(exc))[-3000:]}
         result.update(name=name, rank=bps.rank())
