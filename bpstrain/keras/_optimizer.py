@@ -88,14 +88,41 @@ class GradientReducer:
             np.add(total, a, out=total)
 
 
+def server_optimizer_spec(optimizer) -> str:
+    """The servers' optimizer for a Keras SGD or Adam (comm.consistency ssp/async), in
+    torch's formulation (param_store.h): the same steps for a constant learning rate;
+    Keras's Adam puts epsilon outside the bias correction, so its steps differ slightly.
+
+    Raises:
+        ValueError: another optimizer, weight decay, gradient clipping, amsgrad.
+    """
+    import keras
+
+    cfg = optimizer.get_config()
+    bad = [k for k in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm") if cfg.get(k)]
+    if bad:
+        raise ValueError("server-held weights (comm.consistency ssp/async) step the optimizer on the "
+                         f"servers without {', '.join(bad)}; use comm.consistency=sync for them")
+    if isinstance(optimizer, keras.optimizers.SGD):  # (the torch backend subclasses them)
+        return f"sgd momentum={float(cfg['momentum'])!r} nesterov={int(bool(cfg['nesterov']))}"
+    if isinstance(optimizer, keras.optimizers.Adam) and not cfg.get("amsgrad"):
+        return (f"adam beta1={float(cfg['beta_1'])!r} beta2={float(cfg['beta_2'])!r} "
+                f"eps={float(cfg['epsilon'])!r}")
+    raise ValueError("server-held weights (comm.consistency ssp/async) step keras.optimizers.SGD or Adam "
+                     "(no amsgrad) on the servers; use comm.consistency=sync for other optimizers. "
+                     f"Received: {type(optimizer).__name__}")
+
+
 class _DistributedMixin:
     """Placed before the optimizer's class in the MRO; see DistributedOptimizer."""
 
     _bps_reducer: GradientReducer
     _bps_compression = None
+    _bps_server = None  # ServerWeights under comm.consistency ssp/async
 
     def apply(self, grads, trainable_variables=None):
-        """Averages ``grads`` over all ranks, then applies them (every N-th call)."""
+        """Averages ``grads`` over all ranks, then applies them (every N-th call); under
+        comm.consistency ssp/async takes the servers' weights instead."""
         grads = list(grads)
         if not grads:
             return super().apply(grads, trainable_variables)
@@ -110,6 +137,9 @@ class _DistributedMixin:
                     self.build(variables)
         present = [i for i, g in enumerate(grads) if g is not None]
         keys = [self._bps_key(variables, i) for i in present]
+        if self._bps_server is not None:
+            return self._bps_apply_server_weights([grads[i] for i in present],
+                                                  [variables[i] for i in present], keys)
         compression = self._bps_compression
         if _is_stateful(compression):
             names = [f"{self._bps_reducer.prefix}.{k}" for k in keys]
@@ -141,6 +171,42 @@ class _DistributedMixin:
         import keras
 
         keras.ops.cond(update, lambda: apply(grads, trainable_variables), skip)
+        return None
+
+    def _bps_apply_server_weights(self, grads, variables, keys):
+        """Pushes the gradients, assigns the servers' weights, counts the iteration."""
+        import keras
+
+        server = self._bps_server
+        lr = self.learning_rate
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            if not tf.executing_eagerly():
+                from bpstrain.tensorflow import check_not_xla
+
+                check_not_xla()
+                n = len(grads)
+
+                @tf.autograph.experimental.do_not_convert  # plain Python, run by numpy_function
+                def run(*arrays):
+                    return server.step(arrays[:n], arrays[n:2 * n], keys, float(arrays[-1]))
+
+                tensors = [tf.cast(tf.convert_to_tensor(g), tf.float32) for g in grads]
+                values = [tf.cast(v.value, tf.float32) for v in variables]
+                outs = tf.numpy_function(run, tensors + values + [tf.cast(lr, tf.float32)],
+                                         [tf.float32] * n, stateful=True,
+                                         name="bpstrain_server_weights")
+                for v, out in zip(variables, outs):
+                    v.assign(tf.reshape(tf.cast(out, v.dtype), tf.shape(v.value)))
+                self._iterations.assign_add(1)
+                return None
+        weights = server.step([keras.ops.convert_to_numpy(g) for g in grads],
+                              [keras.ops.convert_to_numpy(v.value) for v in variables], keys,
+                              float(keras.ops.convert_to_numpy(lr)))
+        for v, w in zip(variables, weights):
+            v.assign(keras.ops.convert_to_tensor(w, dtype=v.dtype))
+        self._iterations.assign_add(1)
         return None
 
     def _bps_key(self, variables, i: int) -> int:
@@ -271,6 +337,11 @@ def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
             ``backward_passes_per_step > 1`` (the local sum would be kept in the
             compressed dtype).
 
+    Under ``comm.consistency`` ``ssp:<s>`` or ``async`` (set before wrapping) the servers
+    hold the variables, seeded from rank 0's at the first step, and apply SGD (momentum,
+    Nesterov) or Adam themselves; each step pushes the gradients and assigns the
+    weights that come back (see :func:`server_optimizer_spec`).
+
     Raises:
         ValueError: ``optimizer`` is not a Keras optimizer, or is already distributed,
             or ``compression`` is combined with ``backward_passes_per_step > 1``.
@@ -305,4 +376,11 @@ def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
     wrapped = cls.from_config(optimizer.get_config())
     wrapped._bps_reducer = reducer
     wrapped._bps_compression = compression
+    from bpstrain import _server_weights
+
+    if _server_weights.consistency() != "sync":
+        if compression is not None or backward_passes_per_step != 1:
+            raise ValueError("comm.consistency ssp/async pushes every step's gradients uncompressed; "
+                             "drop compression and backward_passes_per_step, or use sync")
+        wrapped._bps_server = _server_weights.ServerWeights(reducer.prefix, server_optimizer_spec(optimizer))
     return wrapped

@@ -44,6 +44,21 @@ def test_job_exits_cleanly_and_runs_every_check(backend):
     assert sorted(results) == sorted(CHECKS), out[-4000:]
 
 
+CONSISTENCY_CHECKS = ["fit_trains_from_rank_0s_weights", "lr_0_keeps_rank_0s_initial_weights",
+                      "unsupported_optimizers_are_refused"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend, mode", [("tensorflow", "ssp:0"), ("tensorflow", "async"),
+                                           ("torch", "ssp:1")])
+def test_server_held_weights_under_keras(backend, mode):
+    code, out, _ = result = launch([sys.executable, HERE / "keras_consistency_worker.py"], WORKERS,
+                                   {"KERAS_BACKEND": backend, "BPSTRAIN_CONSISTENCY": mode}, timeout=240)
+    for name in CONSISTENCY_CHECKS:
+        assert_check(result, name, WORKERS)
+    assert code == 0, out[-4000:]
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("average_aggregated", [False, True])
 def test_reducer_sums_passes_then_communicates_once(standalone_engine, average_aggregated):
