@@ -9,6 +9,8 @@ stragglers are injected the same way::
     BPSTRAIN_AGGREGATE=k:3 python -m bpstrain.bench._straggler_worker --steps 200 \
         --compute-ms 40 --straggle transient
 
+(``BPSTRAIN_CONSISTENCY=ssp:4`` or ``async`` puts the optimizer on the servers.)
+
 ``--straggle``: ``none``; ``transient`` (each step, each worker stalls for
 ``--stall-factor`` x compute with probability ``--stall-prob``, from a seeded generator
 per rank); ``persistent`` (rank ``--slow-rank`` computes ``--stall-factor`` x longer
@@ -97,8 +99,9 @@ def run(args) -> tuple[int, int, dict]:
         if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
             curve.append([step, elapsed, accuracy()])
     wall = time.perf_counter() - wall0
-    result = {"times": times, "wall": wall, "late": engine.stats()["late_partitions"] - late0,
-              "curve": curve, "batch": args.batch_size}
+    stats = engine.stats()
+    result = {"times": times, "wall": wall, "late": stats["late_partitions"] - late0,
+              "staleness": stats.get("max_staleness", 0), "curve": curve, "batch": args.batch_size}
     engine.barrier()
     bps.shutdown()
     return rank, size, result

@@ -1,4 +1,5 @@
-"""Stragglers: synchronous training against k-of-n aggregation (backup workers).
+"""Stragglers: synchronous training against k-of-n aggregation (backup workers),
+bounded staleness and asynchronous training (the optimizer on the servers).
 
     python -m bpstrain.bench stragglers                       # 4 worker + 2 server hosts, 800 Mbit/s
     python -m bpstrain.bench stragglers --scenarios none transient persistent slowlink
@@ -8,7 +9,9 @@ Each (scenario, system) is one bpstrain job on emulated hosts (worker hosts 0..H
 server hosts H..H+K-1, the scheduler on H+K, every link capped at ``--rate-mbit``)
 training the digits MLP with ``DistributedOptimizer`` (see
 :mod:`bpstrain.bench._straggler_worker` for the emulated compute and the stalls).
-Systems: ``sync`` (``comm.aggregate=all``) and ``k:<K>`` (``comm.aggregate=k:<K>``).
+Systems: ``sync`` (``comm.aggregate=all``), ``k:<K>`` (``comm.aggregate=k:<K>``),
+``ssp:<s>`` and ``async`` (``comm.consistency``: the servers hold the weights and step
+SGD with momentum).
 Scenarios: ``none``; ``transient`` (each worker stalls for 2x a step's compute with
 probability 0.1 each step); ``persistent`` (the last worker computes 2x longer every
 step); ``slowlink`` (the last worker host's link at a quarter of the others').
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import statistics
 import sys
 from collections.abc import Sequence
@@ -64,15 +68,19 @@ class StragglerRow:
     accuracy: float
     time_to_target_s: float | None
     late_partitions: int  # summed over the workers: pushes that did not count
+    max_staleness: int = 0  # ssp/async: the stalest answer any worker got
     vs_sync: float | None = None
 
 
-def _aggregate(system: str) -> str:
+def system_env(system: str) -> dict:
+    """The environment that selects ``system`` for a bpstrain job."""
     if system == "sync":
-        return "all"
-    if system.startswith("k:"):
-        return system
-    raise ValueError(f"Expected a system 'sync' or 'k:<K>'. Received: {system!r}")
+        return {"BPSTRAIN_AGGREGATE": "all"}
+    if re.fullmatch(r"k:\d+", system):
+        return {"BPSTRAIN_AGGREGATE": system}
+    if system == "async" or re.fullmatch(r"ssp:\d+", system):
+        return {"BPSTRAIN_CONSISTENCY": system}
+    raise ValueError(f"Expected a system 'sync', 'k:<K>', 'ssp:<s>' or 'async'. Received: {system!r}")
 
 
 def _p99(values: Sequence[float]) -> float:
@@ -88,7 +96,8 @@ def _row(scenario: str, system: str, payloads: list[dict], target: float) -> Str
     reached = [t for _, t, acc in curve if acc >= target]
     return StragglerRow(scenario, system, statistics.median(times), _p99(times),
                         samples / max(r["wall"] for r in results), curve[-1][2] if curve else 0.0,
-                        reached[0] if reached else None, sum(r["late"] for r in results))
+                        reached[0] if reached else None, sum(r["late"] for r in results),
+                        max(r.get("staleness", 0) for r in results))
 
 
 def _worker_argv(plan: StragglerPlan, scenario: str) -> list[str]:
@@ -124,8 +133,7 @@ def run(plan: StragglerPlan, log=None) -> list[StragglerRow]:
             for system in plan.systems:
                 log(f"[stragglers] {scenario}: {system}, {plan.hosts} worker hosts, "
                     f"{plan.servers} server hosts")
-                env = {"BPSTRAIN_AGGREGATE": _aggregate(system),
-                       "BPSTRAIN_OP_TIMEOUT": str(int(plan.timeout_s))}
+                env = {**system_env(system), "BPSTRAIN_OP_TIMEOUT": str(int(plan.timeout_s))}
                 payloads = _jobs.run_ps_job(hosts, layout, _worker_argv(plan, scenario),
                                             plan.timeout_s, env)
                 rows.append(_row(scenario, system, payloads, plan.target))
@@ -142,14 +150,14 @@ def run(plan: StragglerPlan, log=None) -> list[StragglerRow]:
 def format_table(rows: Sequence[StragglerRow], target: float) -> str:
     """The result table (one line per scenario and system)."""
     head = (f"{'scenario':<11} {'system':<7} {'step med':>9} {'step p99':>9} {'samples/s':>10} "
-            f"{'vs sync':>8} {'accuracy':>9} {f'to {target:.0%}':>8} {'late':>6}")
+            f"{'vs sync':>8} {'accuracy':>9} {f'to {target:.0%}':>8} {'late':>6} {'stale':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         tta = f"{r.time_to_target_s:.1f} s" if r.time_to_target_s is not None else "-"
         vs = f"{r.vs_sync:.2f}x" if r.vs_sync is not None else "-"
         lines.append(f"{r.scenario:<11} {r.system:<7} {r.step_median_s * 1e3:>6.1f} ms "
                      f"{r.step_p99_s * 1e3:>6.1f} ms {r.samples_per_s:>10.1f} {vs:>8} "
-                     f"{r.accuracy:>9.4f} {tta:>8} {r.late_partitions:>6}")
+                     f"{r.accuracy:>9.4f} {tta:>8} {r.late_partitions:>6} {r.max_staleness:>5}")
     return "\n".join(lines)
 
 
@@ -163,7 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenarios", nargs="+", default=list(StragglerPlan.scenarios),
                         choices=SCENARIOS)
     parser.add_argument("--systems", nargs="+", default=list(StragglerPlan.systems),
-                        help="sync and/or k:<K> (k-of-n aggregation)")
+                        help="sync, k:<K> (k-of-n aggregation), ssp:<s>, async")
     parser.add_argument("--hosts", type=int, default=4, help="worker hosts (one worker each)")
     parser.add_argument("--servers", type=int, default=2, help="server hosts")
     parser.add_argument("--rate-mbit", type=float, default=800.0, help="per-host link cap")
