@@ -11,7 +11,10 @@ training the digits MLP with ``DistributedOptimizer`` (see
 :mod:`bpstrain.bench._straggler_worker` for the emulated compute and the stalls).
 Systems: ``sync`` (``comm.aggregate=all``), ``k:<K>`` (``comm.aggregate=k:<K>``),
 ``ssp:<s>`` and ``async`` (``comm.consistency``: the servers hold the weights and step
-SGD with momentum).
+SGD with momentum), and ``tf-ps``: TensorFlow's ``ParameterServerStrategy`` on the same
+hosts (workers on the worker hosts, parameter servers on the server hosts, the
+coordinator on the scheduler's; :mod:`bpstrain.bench._tf_ps_worker`), whose step time
+is the run's mean (the coordinator does not see single steps).
 Scenarios: ``none``; ``transient`` (each worker stalls for 2x a step's compute with
 probability 0.1 each step); ``persistent`` (the last worker computes 2x longer every
 step); ``slowlink`` (the last worker host's link at a quarter of the others').
@@ -34,6 +37,8 @@ from bpstrain.bench import _jobs, emulated
 from bpstrain.bench._hosts import EmulatedHosts, LoopbackHosts
 
 _WORKER = "bpstrain.bench._straggler_worker"
+_TF_WORKER = "bpstrain.bench._tf_ps_worker"
+TF_PS = "tf-ps"  # the peer: TensorFlow's ParameterServerStrategy (asynchronous)
 SCENARIOS = ("none", "transient", "persistent", "slowlink")
 
 
@@ -63,7 +68,7 @@ class StragglerRow:
     scenario: str
     system: str
     step_median_s: float
-    step_p99_s: float
+    step_p99_s: float | None  # None: only the mean step is known (tf-ps)
     samples_per_s: float
     accuracy: float
     time_to_target_s: float | None
@@ -80,7 +85,10 @@ def system_env(system: str) -> dict:
         return {"BPSTRAIN_AGGREGATE": system}
     if system == "async" or re.fullmatch(r"ssp:\d+", system):
         return {"BPSTRAIN_CONSISTENCY": system}
-    raise ValueError(f"Expected a system 'sync', 'k:<K>', 'ssp:<s>' or 'async'. Received: {system!r}")
+    if system == TF_PS:
+        return {}  # not a bpstrain job
+    raise ValueError(f"Expected a system 'sync', 'k:<K>', 'ssp:<s>', 'async' or '{TF_PS}'. "
+                     f"Received: {system!r}")
 
 
 def _p99(values: Sequence[float]) -> float:
@@ -94,19 +102,45 @@ def _row(scenario: str, system: str, payloads: list[dict], target: float) -> Str
     samples = sum(len(r["times"]) * r["batch"] for r in results)
     curve = results[0]["curve"]
     reached = [t for _, t, acc in curve if acc >= target]
-    return StragglerRow(scenario, system, statistics.median(times), _p99(times),
+    p99 = None if results[0].get("mean_step_only") else _p99(times)
+    return StragglerRow(scenario, system, statistics.median(times), p99,
                         samples / max(r["wall"] for r in results), curve[-1][2] if curve else 0.0,
                         reached[0] if reached else None, sum(r["late"] for r in results),
                         max(r.get("staleness", 0) for r in results))
 
 
-def _worker_argv(plan: StragglerPlan, scenario: str) -> list[str]:
+def _worker_argv(plan: StragglerPlan, scenario: str, module: str = _WORKER) -> list[str]:
     straggle = "none" if scenario in ("none", "slowlink") else scenario
-    return [sys.executable, "-m", _WORKER, "--steps", str(plan.steps), "--batch-size",
+    return [sys.executable, "-m", module, "--steps", str(plan.steps), "--batch-size",
             str(plan.batch_size), "--hidden", str(plan.hidden), "--compute-ms",
             str(plan.compute_ms), "--straggle", straggle, "--slow-rank", str(plan.hosts - 1),
             "--eval-every", str(plan.eval_every), "--seed", str(plan.seed),
             "--pad-mbytes", str(plan.pad_mbytes)]
+
+
+def run_tf_ps(hosts, layout: _jobs.Layout, argv: Sequence[str], timeout_s: float) -> list[dict]:
+    """One ParameterServerStrategy job on ``layout``'s hosts; returns the chief's payload."""
+    import json
+    import tempfile
+
+    def endpoints(host_list):
+        return [f"{hosts.addr(h)}:{hosts.next_port()}" for h in host_list]
+
+    cluster = {"chief": endpoints([layout.scheduler_host]), "worker": endpoints(layout.worker_hosts),
+               "ps": endpoints(layout.server_hosts)}
+    placement = [("ps", j, h) for j, h in enumerate(layout.server_hosts)]
+    placement += [("worker", i, h) for i, h in enumerate(layout.worker_hosts)]
+    with tempfile.TemporaryDirectory(prefix="bpstrain-tfps-") as tmp:
+        done = ["--done-file", f"{tmp}/done"]
+        job = _jobs.Job(hosts)
+        env = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
+        for kind, index, host in placement:
+            config = json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
+            job.start(f"tf-{kind}{index}", host, [*argv, *done], _jobs.child_env({**env, "TF_CONFIG": config}))
+        config = json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}})
+        job.start("tf-chief", layout.scheduler_host, [*argv, *done],
+                  _jobs.child_env({**env, "TF_CONFIG": config}), worker=True)
+        return job.collect(timeout_s)
 
 
 def run(plan: StragglerPlan, log=None) -> list[StragglerRow]:
@@ -115,6 +149,8 @@ def run(plan: StragglerPlan, log=None) -> list[StragglerRow]:
     for scenario in plan.scenarios:
         if scenario not in SCENARIOS:
             raise ValueError(f"Expected scenarios among {', '.join(SCENARIOS)}. Received: {scenario!r}")
+    for system in plan.systems:
+        system_env(system)  # a bad name fails before any job starts
     layout = _jobs.Layout(worker_hosts=list(range(plan.hosts)),
                           server_hosts=[0 if plan.loopback else plan.hosts + j for j in range(plan.servers)],
                           scheduler_host=0 if plan.loopback else plan.hosts + plan.servers)
@@ -133,6 +169,11 @@ def run(plan: StragglerPlan, log=None) -> list[StragglerRow]:
             for system in plan.systems:
                 log(f"[stragglers] {scenario}: {system}, {plan.hosts} worker hosts, "
                     f"{plan.servers} server hosts")
+                if system == TF_PS:
+                    payloads = run_tf_ps(hosts, layout, _worker_argv(plan, scenario, _TF_WORKER),
+                                         plan.timeout_s)
+                    rows.append(_row(scenario, system, payloads, plan.target))
+                    continue
                 env = {**system_env(system), "BPSTRAIN_OP_TIMEOUT": str(int(plan.timeout_s))}
                 payloads = _jobs.run_ps_job(hosts, layout, _worker_argv(plan, scenario),
                                             plan.timeout_s, env)
@@ -155,8 +196,9 @@ def format_table(rows: Sequence[StragglerRow], target: float) -> str:
     for r in rows:
         tta = f"{r.time_to_target_s:.1f} s" if r.time_to_target_s is not None else "-"
         vs = f"{r.vs_sync:.2f}x" if r.vs_sync is not None else "-"
+        p99 = f"{r.step_p99_s * 1e3:>6.1f} ms" if r.step_p99_s is not None else f"{'-':>9}"
         lines.append(f"{r.scenario:<11} {r.system:<7} {r.step_median_s * 1e3:>6.1f} ms "
-                     f"{r.step_p99_s * 1e3:>6.1f} ms {r.samples_per_s:>10.1f} {vs:>8} "
+                     f"{p99} {r.samples_per_s:>10.1f} {vs:>8} "
                      f"{r.accuracy:>9.4f} {tta:>8} {r.late_partitions:>6} {r.max_staleness:>5}")
     return "\n".join(lines)
 
@@ -171,7 +213,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenarios", nargs="+", default=list(StragglerPlan.scenarios),
                         choices=SCENARIOS)
     parser.add_argument("--systems", nargs="+", default=list(StragglerPlan.systems),
-                        help="sync, k:<K> (k-of-n aggregation), ssp:<s>, async")
+                        help="sync, k:<K> (k-of-n aggregation), ssp:<s>, async, tf-ps (TensorFlow's "
+                             "ParameterServerStrategy)")
     parser.add_argument("--hosts", type=int, default=4, help="worker hosts (one worker each)")
     parser.add_argument("--servers", type=int, default=2, help="server hosts")
     parser.add_argument("--rate-mbit", type=float, default=800.0, help="per-host link cap")
