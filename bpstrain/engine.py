@@ -365,7 +365,7 @@ def submit(name: str, dtype: str, shape, src, dst, op: Op, root: int = 0, priori
            participants: int = 0, device: str = "cpu", layout: str = "", result: Any = None,
            then: Optional[Callable[[Any], Any]] = None,
            wrap: Optional[Callable[[Any], Any]] = None, partition_bytes: int = 0,
-           **server_weights) -> int:
+           **enqueue_options) -> int:
     """Low level, for adapters that validated their input: queues one operation on buffers.
 
     ``src``/``dst`` are C-contiguous buffers of ``shape`` (0-d: pass ``(1,)``) in
@@ -380,8 +380,8 @@ def submit(name: str, dtype: str, shape, src, dst, op: Op, root: int = 0, priori
             before every rank can start.
         partition_bytes: > 0 for a piece the adapter cut itself (CUDA staging chunks):
             the engine sends it in partitions of this size instead of cutting it again.
-        server_weights: ``param``, ``lr``, ``server_optimizer`` of the server-held weights
-            (comm.consistency ssp/async; see ``_core.Worker.enqueue``).
+        enqueue_options: more arguments of ``_core.Worker.enqueue``: ``pull_only``
+            (k-of-n catch-up), ``param``, ``lr``, ``server_optimizer`` (server-held weights).
     """
     state = _state or _require()
     worker = state.worker
@@ -394,7 +394,7 @@ def submit(name: str, dtype: str, shape, src, dst, op: Op, root: int = 0, priori
         pending = None
     else:
         handle = worker.enqueue(name, dtype, shape, src, dst, op, root, priority, participants,
-                                device, layout, partition_bytes, **server_weights)
+                                device, layout, partition_bytes, **enqueue_options)
         pending = src, dst
     if wrap is not None:
         result = wrap(dst)

@@ -9,7 +9,9 @@ stragglers are injected the same way::
     BPSTRAIN_AGGREGATE=k:3 python -m bpstrain.bench._straggler_worker --steps 200 \
         --compute-ms 40 --straggle transient
 
-(``BPSTRAIN_CONSISTENCY=ssp:4`` or ``async`` puts the optimizer on the servers.)
+(``BPSTRAIN_CONSISTENCY=ssp:4`` or ``async`` puts the optimizer on the servers;
+``--catch-up`` lets a k-of-n worker that fell behind skip the rounds it missed, the loop
+then ending by rounds.)
 
 ``--straggle``: ``none``; ``transient`` (each step, each worker stalls for
 ``--stall-factor`` x compute with probability ``--stall-prob``, from a seeded generator
@@ -66,7 +68,7 @@ def run(args) -> tuple[int, int, dict]:
         model.pad = torch.nn.Parameter(torch.zeros(int(args.pad_mbytes * (1 << 20)) // 4))
     optimizer = bps.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum),
-        named_parameters=model.named_parameters())
+        named_parameters=model.named_parameters(), catch_up=args.catch_up)
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     train, test = digits_dataset("train"), digits_dataset("test")
     x, y = train.tensors
@@ -84,7 +86,9 @@ def run(args) -> tuple[int, int, dict]:
     late0 = engine.stats()["late_partitions"]
     curve, times, elapsed = [], [], 0.0
     wall0 = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    step = 0
+    while optimizer.rounds < args.steps:  # = steps, unless a slow worker catches up
+        step += 1
         batch = shard[torch.randint(len(shard), (args.batch_size,), generator=gen)]
         start = time.perf_counter()
         optimizer.zero_grad()
@@ -96,7 +100,7 @@ def run(args) -> tuple[int, int, dict]:
         optimizer.step()
         times.append(time.perf_counter() - start)
         elapsed += times[-1]
-        if rank == 0 and (step % args.eval_every == 0 or step == args.steps):
+        if rank == 0 and (step % args.eval_every == 0 or optimizer.rounds >= args.steps):
             curve.append([step, elapsed, accuracy()])
     wall = time.perf_counter() - wall0
     stats = engine.stats()
@@ -124,6 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--pad-mbytes", type=float, default=0.0,
                    help="extra gradient megabytes a step (a padding parameter)")
+    p.add_argument("--catch-up", action="store_true",
+                   help="k-of-n: DistributedOptimizer(catch_up=True), a slow worker skips rounds")
     args = p.parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks before a kill (_jobs)
     import torch

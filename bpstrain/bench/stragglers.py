@@ -9,7 +9,9 @@ Each (scenario, system) is one bpstrain job on emulated hosts (worker hosts 0..H
 server hosts H..H+K-1, the scheduler on H+K, every link capped at ``--rate-mbit``)
 training the digits MLP with ``DistributedOptimizer`` (see
 :mod:`bpstrain.bench._straggler_worker` for the emulated compute and the stalls).
-Systems: ``sync`` (``comm.aggregate=all``), ``k:<K>`` (``comm.aggregate=k:<K>``),
+Systems: ``sync`` (``comm.aggregate=all``), ``k:<K>`` (``comm.aggregate=k:<K>`` with
+``DistributedOptimizer(catch_up=True)``: a worker that fell behind skips the rounds the
+others finished, every worker's loop ending by rounds),
 ``ssp:<s>`` and ``async`` (``comm.consistency``: the servers hold the weights and step
 SGD with momentum), and ``tf-ps``: TensorFlow's ``ParameterServerStrategy`` on the same
 hosts (workers on the worker hosts, parameter servers on the server hosts, the
@@ -175,8 +177,10 @@ def run(plan: StragglerPlan, log=None) -> list[StragglerRow]:
                     rows.append(_row(scenario, system, payloads, plan.target))
                     continue
                 env = {**system_env(system), "BPSTRAIN_OP_TIMEOUT": str(int(plan.timeout_s))}
-                payloads = _jobs.run_ps_job(hosts, layout, _worker_argv(plan, scenario),
-                                            plan.timeout_s, env)
+                argv = _worker_argv(plan, scenario)
+                if system.startswith("k:"):
+                    argv.append("--catch-up")  # a slow worker skips ahead (DistributedOptimizer catch_up)
+                payloads = _jobs.run_ps_job(hosts, layout, argv, plan.timeout_s, env)
                 rows.append(_row(scenario, system, payloads, plan.target))
         finally:
             if cluster is not None:

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
-from bpstrain.torch import _compressors, _fusion, _unused, ops
+from bpstrain.torch import _compressors, _fusion, _tensors, _unused, ops
 from bpstrain.torch.compression import Compression
 
 _STATE_KEY = "bpstrain_compression"  # the compressors' entry in state_dict()
@@ -42,9 +42,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the wrapped optimizer's class."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step,
-                 fusion_threshold_bytes, average=True):
+                 fusion_threshold_bytes, average=True, catch_up=False):
         super(self.__class__, self).__init__(params)
         self._bps_average = average
+        self.rounds = 0  # rounds this model has taken: its own steps and caught-up ones
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1. Received: "
                              f"backward_passes_per_step={backward_passes_per_step}")
@@ -101,6 +102,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bps_synchronized = False
         self._bps_should_synchronize = True
         self._bps_active = ops.distributed()
+        self._bps_catch_up = bool(catch_up) and self._bps_active
+        if self._bps_catch_up:
+            _check_catch_up(all_params, compression, average, backward_passes_per_step)
         if self._bps_active:
             self._bps_register_hooks()
 
@@ -287,7 +291,45 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "optimizer.synchronize() in your code.")
             self.synchronize()
         self._bps_synchronized = False
-        return super(self.__class__, self).step(closure)
+        loss = super(self.__class__, self).step(closure)
+        self.rounds += 1
+        if self._bps_catch_up:
+            self.rounds += self._bps_apply_missed_rounds()
+        return loss
+
+    def _bps_apply_missed_rounds(self) -> int:
+        """catch_up: applies, as optimizer steps, the rounds the other workers completed
+        while this one computed (their averages, pulled without pushing), so a slow
+        worker skips ahead instead of holding the others back. Returns how many."""
+        from bpstrain import engine
+        from bpstrain.engine import Op
+
+        targets = []  # (name, tensor receiving the average, priority)
+        for p in self._bps_params():
+            if p.requires_grad and id(p) not in self._bps_bucket_of:
+                _unused.zeros_if_missing(p)
+                targets.append((self._bps_names[id(p)], p.grad, self._bps_priority[id(p)]))
+        buckets = [b for b in self._bps_buckets if any(q.requires_grad for q in b.params)]
+        for b in buckets:
+            if b.buffer is None:
+                b.buffer = torch.zeros(b.numel, dtype=b.params[0].dtype)
+            targets.append((b.name, b.buffer, b.priority))
+        behind = min((engine.rounds_behind(name) for name, _, _ in targets), default=0)
+        for _ in range(behind):
+            handles = []
+            for name, tensor, priority in targets:
+                view = _tensors.host_view(tensor)
+                handles.append(engine.submit(name, ops._DTYPES[tensor.dtype], view.shape or (1,), view, view,
+                                             Op.AVERAGE, priority=priority, pull_only=True))
+            for handle in handles:
+                engine.synchronize(handle)
+            for b in buckets:
+                for p, view in zip(b.params, b.views()):
+                    if p.requires_grad:
+                        _unused.zeros_if_missing(p)
+                        p.grad.copy_(view)
+            super(self.__class__, self).step()
+        return behind
 
     def zero_grad(self, set_to_none: bool = True):
         """Like the wrapped optimizer's; refused while push_pulls are in flight."""
@@ -299,8 +341,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
 
+def _check_catch_up(params, compression, average, backward_passes_per_step) -> None:
+    from bpstrain import engine
+
+    if engine.options().get("aggregate", "all") == "all":
+        raise ValueError("catch_up=True needs k-of-n aggregation (comm.aggregate=k:<K>): only then do the "
+                         "others finish rounds without this worker")
+    if compression is not Compression.none or not average or backward_passes_per_step != 1:
+        raise ValueError("catch_up=True takes averaged, uncompressed gradients of every backward pass "
+                         "(no compression, op=Sum or backward_passes_per_step)")
+    if any(p.is_cuda for p in params):
+        raise ValueError("catch_up=True works on CPU parameters (CUDA ones are not staged for it yet)")
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
-                         backward_passes_per_step=1, fusion_threshold_bytes=1 << 20, op=None):
+                         backward_passes_per_step=1, fusion_threshold_bytes=1 << 20, op=None,
+                         catch_up=False):
     """Wraps a ``torch.optim`` optimizer so that ``step()`` uses rank-averaged gradients.
 
     The result is an instance of a dynamic subclass of ``type(optimizer)`` (as in
@@ -325,6 +381,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             :mod:`bpstrain.torch._fusion`); 0 gives every parameter its own.
         op: Horovod's ``bpstrain.torch.Average`` (default) or ``Sum`` of the gradients;
             ``Adasum`` raises ``NotImplementedError`` naming the alternative.
+        catch_up: under k-of-n aggregation (``comm.aggregate=k:<K>``), a worker that fell
+            behind applies the rounds the others completed meanwhile at its next
+            ``step()`` (their averages, as optimizer steps; it computes no gradients for
+            them), so a persistently slow worker skips ahead instead of setting the
+            pace. ``optimizer.rounds`` then counts the rounds the model took, which can
+            grow by more than one a step: **end the training loop by rounds**
+            (``while optimizer.rounds < total``), or the workers run different numbers
+            of rounds and the last ones wait for a partner that stopped. CPU parameters.
 
     Under ``comm.consistency`` ``ssp:<s>`` or ``async`` the servers hold the weights and
     apply SGD or Adam themselves: see :mod:`bpstrain.torch.server_optimizer`.
@@ -342,7 +406,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
         methods = _ServerOptimizer.__dict__
     return _wrap(optimizer, methods, named_parameters, compression,
-                 backward_passes_per_step, fusion_threshold_bytes, _average(None, op))
+                 backward_passes_per_step, fusion_threshold_bytes, _average(None, op), catch_up)
 
 
 def _wrap(optimizer, methods, *args):

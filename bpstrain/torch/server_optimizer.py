@@ -63,8 +63,11 @@ class _ServerOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the wrapped optimizer's class (see _wrap)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step,
-                 fusion_threshold_bytes, average=True):
+                 fusion_threshold_bytes, average=True, catch_up=False):
         super(self.__class__, self).__init__(params)
+        if catch_up:
+            raise ValueError("catch_up is for k-of-n aggregation in sync training; ssp/async never wait "
+                             "for a slow worker")
         from bpstrain.torch.compression import Compression
 
         if compression is not Compression.none:
@@ -95,6 +98,7 @@ class _ServerOptimizer(torch.optim.Optimizer):
                                  f"parameters (autocast computes in half precision). Received: {p.dtype}")
         self._bps_active = engine.env().distributed
         self._bps_initialised = False
+        self.rounds = 0  # steps taken (as DistributedOptimizer's)
         self._bps_pending = {}  # id(p) -> (p, handle, host weights)
         if self._bps_active:
             for p in params:
@@ -169,6 +173,7 @@ class _ServerOptimizer(torch.optim.Optimizer):
         """Runs ``closure`` if given, then takes the servers' weights (the servers stepped
         the optimizer; the wrapped one is not called). Standalone (one process) it is
         the wrapped optimizer's step."""
+        self.rounds += 1
         if not self._bps_active:
             return super(self.__class__, self).step(closure)
         loss = None

@@ -91,6 +91,7 @@ def test_k_of_n_aggregation_leaves_out_a_slow_rank_and_keeps_models_equal():
     # comm.aggregate=k:2 of 3 workers; auto turns the hierarchical path off for it.
     job = run_job(3, 2, ["torch_checks_aggregate"], extra_env={"BPSTRAIN_AGGREGATE": "k:2"})
     _assert_check(job, "check_a_slow_rank_does_not_count_yet_every_rank_keeps_the_same_model", 3)
+    _assert_check(job, "check_catch_up_lets_a_slow_rank_skip_rounds_and_keep_the_same_model", 3)
 
 
 def _value(job, name, workers):
