@@ -391,11 +391,12 @@ void Server::Process(EngineThread* et, Task& t) {
   const Push& p = t.push;
   if (p.param == kParamUpdate) return ProcessParamUpdate(et, t);
   auto reject = [&](const std::string& msg) { Reject(t, msg); };
-  const std::string what = "partition " + std::to_string(p.key) + " round " + std::to_string(p.version);
+  // Only error messages need it: built on demand, not for every push.
+  auto what = [&p] { return "partition " + std::to_string(p.key) + " round " + std::to_string(p.version); };
   auto done = et->finished.find({p.key, p.version});
   if (done != et->finished.end()) return AnswerLate(et, done, t);
   if (p.pull_only)  // never a contribution: only rounds the others completed are pulled
-    return reject(what + ": a catch-up pull for a round this server does not keep answered "
+    return reject(what() + ": a catch-up pull for a round this server does not keep answered "
                          "(not complete yet, or forgotten after round_timeout)");
   auto it = et->rounds.find({p.key, p.version});
   if (it == et->rounds.end()) {
@@ -404,7 +405,7 @@ void Server::Process(EngineThread* et, Task& t) {
       // nor kept finished without this worker and was forgotten (round_timeout).
       auto through = et->finished_through.find(p.key);
       if (through != et->finished_through.end() && p.version <= through->second)
-        return reject(what + " was answered without this worker and forgotten after round_timeout: "
+        return reject(what() + " was answered without this worker and forgotten after round_timeout: "
                              "this worker is too far behind the others");
       auto backlog = et->backlog.find(p.key);
       if (backlog != et->backlog.end() && backlog->second >= kMaxLateRounds) {
@@ -430,25 +431,25 @@ void Server::Process(EngineThread* et, Task& t) {
   PendingRound& pr = it->second;
   Round& r = pr.round;
   if (r.dtype != p.dtype || r.len != p.len || r.expected != p.expected || r.broadcast != p.broadcast)
-    return reject(what + ": this push has dtype " + DTypeName(p.dtype) + " and " + std::to_string(p.len) +
+    return reject(what() + ": this push has dtype " + DTypeName(p.dtype) + " and " + std::to_string(p.len) +
                   " bytes, other workers pushed " + DTypeName(r.dtype) + " and " + std::to_string(r.len));
   if (r.complete_at != p.complete_at)
-    return reject(what + ": this worker completes rounds at " + std::to_string(p.complete_at) +
+    return reject(what() + ": this worker completes rounds at " + std::to_string(p.complete_at) +
                   " pushes, another at " + std::to_string(r.complete_at) +
                   "; set the same comm.aggregate on every worker");
   if (std::find(pr.waiters.begin(), pr.waiters.end(), t.from) != pr.waiters.end())
-    return reject("duplicate push of " + what + " from the same worker");
+    return reject("duplicate push of " + what() + " from the same worker");
   if (r.broadcast && p.root != r.root && pr.error.empty())
     // Horovod's rule: ranks that name different roots all get an error, none gets data.
-    pr.error = "broadcast of " + what + ": ranks disagree on the root (rank " +
+    pr.error = "broadcast of " + what() + ": ranks disagree on the root (rank " +
                std::to_string(r.senders.empty() ? -1 : r.senders[0]) + " says root_rank=" + std::to_string(r.root) +
                ", rank " + std::to_string(p.sender) + " says root_rank=" + std::to_string(p.root) +
                "); pass the same root_rank on every rank";
   if ((pr.param != p.param || pr.param_spec != p.param_spec) && pr.error.empty())
-    pr.error = what + ": ranks disagree on the server-held weights (comm.consistency and the server "
+    pr.error = what() + ": ranks disagree on the server-held weights (comm.consistency and the server "
                       "optimizer): '" + pr.param_spec + "' vs '" + p.param_spec + "'; every rank needs the same";
   if (r.complete_at < r.expected && p.dtype == DType::kCompressed && pr.error.empty())
-    pr.error = what + ": k-of-n aggregation (comm.aggregate) does not combine with compression";
+    pr.error = what() + ": k-of-n aggregation (comm.aggregate) does not combine with compression";
   pr.waiters.push_back(t.from);
   r.senders.push_back(p.sender);
   ++r.pushes;
@@ -466,7 +467,7 @@ void Server::Process(EngineThread* et, Task& t) {
   if (error.empty() && pr.param == kParamInit) {
     // The weights start from the root's model (BytePS's async mode started from zeros).
     if (!r.result || r.result->size() < r.len) {
-      error = what + ": a weights init without the root's weights";
+      error = what() + ": a weights init without the root's weights";
     } else {
       std::vector<ParamStore::Answer> dropped;
       et->params->Init(p.key, reinterpret_cast<const float*>(r.result->data()), r.len / sizeof(float), r.expected,
