@@ -193,3 +193,23 @@ def test_consistency_is_checked_at_worker_creation():
         with InProcessCluster(1, 1) as c:
             g = np.ones(4, np.float32)
             c.workers[0].enqueue("p", "float32", [4], g, np.empty_like(g), SUM, param=2, lr=0.1)
+
+
+def test_a_worker_that_dies_fails_the_ones_waiting_for_it_with_its_name():
+    from bpstrain.errors import PeerError
+
+    c = InProcessCluster(3, 1, consistency="ssp:0")
+    threads = [threading.Thread(target=init, args=(w, "p", np.zeros(N, np.float32))) for w in c.workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    waiting = [update_async(w, "p", np.ones(N, np.float32), 0.1)[0] for w in c.workers[:2]]
+    time.sleep(0.2)
+    assert not any(w.poll(h) for w, h in zip(c.workers, waiting))  # ssp:0 waits for worker 2
+    c.workers[2].shutdown("RuntimeError: killed by the test")
+    for w, h in zip(c.workers, waiting):
+        with pytest.raises(PeerError, match="worker 2.*killed by the test"):
+            wait(w, h, timeout=10)
+    with pytest.raises(PeerError):
+        c.close()
