@@ -28,6 +28,8 @@ def init(w, name, weights, optimizer="sgd"):
 
 
 def update_async(w, name, grad, lr):
+    """Returns (handle, output): keep the output referenced until the handle is done (the
+    raw binding writes the answer there)."""
     out = np.empty_like(grad)
     return w.enqueue(name, "float32", list(grad.shape), grad, out, SUM, param=2, lr=lr), out
 
@@ -174,12 +176,13 @@ def test_bad_uses_fail_clearly_and_the_job_goes_on():
         for out in c.run_all(disagree):
             np.testing.assert_array_equal(out, g)
         # A worker that pushes again before its answer (ssp:0) is refused, not queued.
-        h1, _ = update_async(a, "q", g, 0.1)
-        h2, _ = update_async(a, "q", g, 0.1)
+        h1, out1 = update_async(a, "q", g, 0.1)
+        h2, out2 = update_async(a, "q", g, 0.1)
         with pytest.raises(BpsError, match="allows no push before the previous one is answered"):
             wait(a, h2)
         update(b, "q", g, 0.1)
         wait(a, h1)
+        np.testing.assert_array_equal(out1, g - np.float32(0.1))
 
 
 def test_consistency_is_checked_at_worker_creation():
@@ -204,7 +207,8 @@ def test_a_worker_that_dies_fails_the_ones_waiting_for_it_with_its_name():
         t.start()
     for t in threads:
         t.join()
-    waiting = [update_async(w, "p", np.ones(N, np.float32), 0.1)[0] for w in c.workers[:2]]
+    pending = [update_async(w, "p", np.ones(N, np.float32), 0.1) for w in c.workers[:2]]
+    waiting = [h for h, _ in pending]  # (the outputs stay referenced in `pending`)
     time.sleep(0.2)
     assert not any(w.poll(h) for w, h in zip(c.workers, waiting))  # ssp:0 waits for worker 2
     c.workers[2].shutdown("RuntimeError: killed by the test")
