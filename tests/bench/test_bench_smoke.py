@@ -79,11 +79,13 @@ def test_training_bench_traces_the_last_step(tmp_path, capsys):
 
 
 @pytest.mark.timeout(180)
-def test_stragglers_bench_compares_sync_and_k_of_n(capsys):
+def test_stragglers_bench_compares_sync_k_of_n_and_ssp(capsys):
     assert main(["stragglers", "--loopback", "--hosts", "3", "--servers", "1", "--steps", "12",
                  "--compute-ms", "10", "--scenarios", "persistent", "--systems", "sync", "k:2",
-                 "--eval-every", "6"]) == 0
+                 "ssp:1", "--eval-every", "6"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:]]
-    assert [r[:2] for r in rows] == [["persistent", "sync"], ["persistent", "k:2"]]
-    late = {r[1]: int(r[-1]) for r in rows}
+    assert [r[:2] for r in rows] == [["persistent", "sync"], ["persistent", "k:2"], ["persistent", "ssp:1"]]
+    late = {r[1]: int(r[-2]) for r in rows}
+    stale = {r[1]: int(r[-1]) for r in rows}
     assert late["sync"] == 0 and late["k:2"] > 0  # the slow worker's pushes did not count
+    assert stale["sync"] == 0 and stale["ssp:1"] == 1  # the fast ones ran one step ahead
