@@ -420,6 +420,15 @@ def submit_at(name: str, dtype: str, shape, src: Any, dst: Any, nbytes: int, op:
     return handle
 
 
+def adopt(handle: int, keep: Any, then: Callable[[Any], Any]) -> int:
+    """Puts a handle of a raw ``core_worker().enqueue_*`` call in the handle table, so
+    :func:`synchronize` waits for it (op timeout, errors) and returns ``then(None)``;
+    ``keep`` (the op's buffers) stays referenced until then."""
+    state = _state or _require()
+    state.ops[handle] = None, (keep,), then
+    return handle
+
+
 def track(op: Any, then: Optional[Callable[[Any], Any]] = None, result: Any = None) -> int:
     """Gives an adapter's own operation a handle in the engine's one handle table.
 

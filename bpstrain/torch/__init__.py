@@ -35,6 +35,7 @@ from bpstrain.torch.ops import (broadcast, broadcast_, broadcast_async, broadcas
 from bpstrain.torch.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce,
                                     allreduce_, allreduce_async, allreduce_async_, barrier, join)
 from bpstrain.torch.optimizer import DistributedOptimizer
+from bpstrain.torch.sparse import sparse_push_pull
 from bpstrain.torch.sync_batch_norm import SyncBatchNorm
 from bpstrain.torch import process_group as _process_group
 
@@ -43,7 +44,7 @@ _process_group.register()
 __all__ = [
     "Adasum", "Average", "Max", "Min", "Product", "Sum", "SyncBatchNorm", "allgather",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "barrier", "join",
-    "Compression", "CrossBarrier", "DistributedOptimizer", "broadcast", "broadcast_", "broadcast_async",
+    "Compression", "CrossBarrier", "DistributedOptimizer", "sparse_push_pull", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
     "declare", "distributed", "init", "is_initialized", "local_rank", "local_size", "parallel",
     "poll", "push_pull", "push_pull_async", "push_pull_async_inplace", "push_pull_inplace",

@@ -644,6 +644,33 @@ PYBIND11_MODULE(_core, m) {
           py::arg("server_optimizer") = "",
           "Like `enqueue` with the buffers given as addresses of `nbytes` each (CPU memory the\n"
           "caller keeps alive until the operation is over).")
+      .def(
+          "enqueue_sparse",
+          [](Worker& w, const std::string& name, uint32_t row_width, py::buffer data, int priority) {
+            BufferView in = View(data, false, "data");
+            OpRequest r;
+            r.name = name;
+            r.dtype = DType::kFloat32;
+            r.shape = {static_cast<int64_t>(row_width)};
+            r.op = Op::kSum;
+            r.priority = priority;
+            r.layout = "sparse-rows";
+            r.partition_bytes = std::max<int64_t>(4 * static_cast<int64_t>(row_width), 1);  // one partition
+            r.sparse_row_width = row_width;
+            r.sparse_bytes = in.nbytes;
+            r.input = in.ptr;
+            if (row_width == 0) throw Error(Error::kConfig, "tensor '" + name + "': row_width must be >= 1");
+            py::gil_scoped_release nogil;
+            return w.Enqueue(r);
+          },
+          py::arg("name"), py::arg("row_width"), py::arg("data"), py::arg("priority") = 0,
+          "Row-sparse push_pull: `data` is int64 ids (ascending, unique) then their float32 rows\n"
+          "of `row_width`; it must stay alive until the handle is done. take_sparse_result gives the\n"
+          "merged rows of every worker (ids then summed rows).")
+      .def(
+          "take_sparse_result",
+          [](Worker& w, int64_t handle) { return py::bytes(w.TakeSparseResult(handle)); },
+          py::arg("handle"), "The merged rows of a finished enqueue_sparse (once).")
       .def("enqueue_barrier", &Worker::EnqueueBarrier, py::call_guard<py::gil_scoped_release>())
       .def("poll", &Worker::Poll, py::arg("handle"))
       .def("wait", &Worker::WaitFor, py::arg("handle"), py::arg("seconds"),

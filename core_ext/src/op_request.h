@@ -41,6 +41,11 @@ struct OpRequest {
   int param = 0;
   double lr = 0;
   std::string server_optimizer;
+  // Row-sparse push_pull (sparse_rows.h): > 0 = the table's row width; `input` holds
+  // `sparse_bytes` of ids then rows, the answer (the merged rows, any length) is kept for
+  // Worker::TakeSparseResult and `output` is unused. Declared as shape {row_width}.
+  uint32_t sparse_row_width = 0;
+  uint64_t sparse_bytes = 0;
 };
 
 // A worker's record of one queued operation (defined in worker.cc); the policy and the

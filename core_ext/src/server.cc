@@ -249,7 +249,7 @@ void Server::EngineLoop(EngineThread* et, int index) {
     }
     if (!t.from) return;
     Process(et, t);
-    et->pending.store(static_cast<int64_t>(et->rounds.size() + et->finished.size() + et->held.size() +
+    et->pending.store(static_cast<int64_t>(et->rounds.size() + et->finished.size() + et->held.size() + et->sparse_rounds.size() +
                                              et->param_waiters.size()));
     if (SecondsSince(last_sweep) > 1.0) {
       ExpireRounds(et);
@@ -299,11 +299,29 @@ void Server::ExpireRounds(EngineThread* et) {
     it = et->held.erase(it);
     ++expired_rounds_;
   }
+  for (auto it = et->sparse_rounds.begin(); it != et->sparse_rounds.end();) {
+    if (SecondsSince(it->second.started) <= limit) {
+      ++it;
+      continue;
+    }
+    FrameHeader e;
+    e.type = static_cast<uint16_t>(MsgType::kError);
+    e.key = it->first.first;
+    e.version = it->first.second;
+    const std::string why = MetaWriter().Str("sparse partition " + std::to_string(e.key) + " round " +
+                                             std::to_string(e.version) + " expired after " +
+                                             std::to_string(static_cast<int>(limit)) + " s with " +
+                                             std::to_string(it->second.senders.size()) + " of " +
+                                             std::to_string(it->second.expected) + " pushes").bytes();
+    for (auto& w : it->second.waiters) w->Reply(e, why);
+    it = et->sparse_rounds.erase(it);
+    ++expired_rounds_;
+  }
   std::vector<ParamStore::Answer> expired;
   et->params->Expire(limit, &expired);
   expired_rounds_ += static_cast<int64_t>(expired.size());
   SendParamAnswers(et, expired);
-  et->pending.store(static_cast<int64_t>(et->rounds.size() + et->finished.size() + et->held.size() +
+  et->pending.store(static_cast<int64_t>(et->rounds.size() + et->finished.size() + et->held.size() + et->sparse_rounds.size() +
                                          et->param_waiters.size()));
 }
 
@@ -379,6 +397,11 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
     if (p.broadcast || empty || p.dtype != DType::kFloat32 || p.complete_at != p.expected)
       throw FrameError("a weights update that is not a full fp32 push");
     p.lr = r.F64();
+  } else if (param == kSparseRows) {
+    p.row_width = r.U32();
+    if (p.broadcast || empty || p.dtype != DType::kFloat32 || p.complete_at != p.expected ||
+        p.row_width < 1 || p.row_width > (1u << 20) || p.len % SparseRowBytes(p.row_width) != 0)
+      throw FrameError("a sparse push that is not whole fp32 rows of width 1..2^20 with their ids");
   } else {
     throw FrameError("push with unknown parameter operation " + std::to_string(param));
   }
@@ -390,6 +413,7 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
 void Server::Process(EngineThread* et, Task& t) {
   const Push& p = t.push;
   if (p.param == kParamUpdate) return ProcessParamUpdate(et, t);
+  if (p.param == kSparseRows) return ProcessSparse(et, t);
   auto reject = [&](const std::string& msg) { Reject(t, msg); };
   // Only error messages need it: built on demand, not for every push.
   auto what = [&p] { return "partition " + std::to_string(p.key) + " round " + std::to_string(p.version); };
@@ -569,6 +593,46 @@ void Server::SendParamAnswers(EngineThread* et, std::vector<ParamStore::Answer>&
                      a.error.empty() ? std::move(a.weights) : nullptr);
     et->param_waiters.erase(w);
   }
+}
+
+void Server::ProcessSparse(EngineThread* et, Task& t) {
+  const Push& p = t.push;
+  auto what = [&p] { return "sparse partition " + std::to_string(p.key) + " round " + std::to_string(p.version); };
+  auto it = et->sparse_rounds.find({p.key, p.version});
+  if (it == et->sparse_rounds.end()) {
+    it = et->sparse_rounds.emplace(std::make_pair(p.key, p.version), SparseRound{}).first;
+    it->second.expected = p.expected;
+    it->second.width = p.row_width;
+    it->second.merged = std::make_unique<RowMerger>(p.row_width);
+  }
+  SparseRound& sr = it->second;
+  if (std::find(sr.senders.begin(), sr.senders.end(), p.sender) != sr.senders.end())
+    return Reject(t, "duplicate push of " + what() + " from the same worker");
+  if ((sr.width != p.row_width || sr.expected != p.expected) && sr.error.empty())
+    sr.error = what() + ": rows of " + std::to_string(p.row_width) + " values from worker " +
+               std::to_string(p.sender) + ", of " + std::to_string(sr.width) + " from another; every rank needs "
+               "the same table width";
+  if (sr.error.empty() && p.body) {
+    std::string bad = sr.merged->Add(p.body->data(), p.len);
+    if (!bad.empty()) {
+      if (sr.senders.empty()) et->sparse_rounds.erase(it);
+      return Reject(t, what() + ": " + bad);
+    }
+  }
+  t.push.body.reset();
+  sr.waiters.push_back(t.from);
+  sr.senders.push_back(p.sender);
+  if (static_cast<int>(sr.senders.size()) < sr.expected) return;
+  FrameHeader reply;
+  reply.type = static_cast<uint16_t>(sr.error.empty() ? MsgType::kPullReply : MsgType::kError);
+  reply.key = p.key;
+  reply.version = p.version;
+  reply.arg = sr.expected;
+  std::shared_ptr<Buffer> body = sr.error.empty() ? sr.merged->Result(*pool_) : nullptr;
+  reply.body_len = body ? body->size() : 0;
+  const std::string meta = sr.error.empty() ? "" : MetaWriter().Str(sr.error).bytes();
+  for (auto& w : sr.waiters) w->Reply(reply, meta, body);  // one answer, shared
+  et->sparse_rounds.erase(it);
 }
 
 }  // namespace bps

@@ -28,6 +28,7 @@
 #include "control.h"
 #include "param_store.h"
 #include "secure_link.h"
+#include "sparse_rows.h"
 #include "server_handler.h"
 #include "transport.h"
 
@@ -97,6 +98,16 @@ class Server {
     std::vector<int> answered;  // ranks answered so far
     Clock::time_point finished = Clock::now();
   };
+  // A row-sparse round (kSparseRows): pushes of any length, merged by row id.
+  struct SparseRound {
+    int expected = 0;
+    uint32_t width = 0;
+    std::unique_ptr<RowMerger> merged;
+    std::vector<std::shared_ptr<Conn>> waiters;
+    std::vector<int> senders;
+    std::string error;  // pushes disagreed: every waiter gets it at the end
+    Clock::time_point started = Clock::now();
+  };
   struct EngineThread {
     std::mutex mu;
     std::condition_variable cv;
@@ -113,6 +124,7 @@ class Server {
     // for their answer, by (key, worker, version).
     std::unique_ptr<ParamStore> params;
     std::map<std::tuple<uint64_t, int, uint64_t>, std::shared_ptr<Conn>> param_waiters;
+    std::map<std::pair<uint64_t, uint64_t>, SparseRound> sparse_rounds;  // (key, version)
     // rounds, finished and held together, for stats() from other threads
     std::atomic<int64_t> pending{0};
     std::thread thread;
@@ -132,6 +144,7 @@ class Server {
   void AnswerLate(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it,
                   Task& t);
   void ProcessParamUpdate(EngineThread* et, Task& t);
+  void ProcessSparse(EngineThread* et, Task& t);
   void SendParamAnswers(EngineThread* et, std::vector<ParamStore::Answer>& answers);
   void ForgetFinished(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it);
   void ReleaseHeld(EngineThread* et, uint64_t key);

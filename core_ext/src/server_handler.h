@@ -50,6 +50,7 @@ struct Push {
   ConsistencySpec consistency;  // init
   ServerOptimizer optimizer;    // init
   double lr = 0;                // update
+  uint32_t row_width = 0;       // kSparseRows: floats per row
 };
 
 // The state of one (key, version) round; the server creates it at the first push and

@@ -9,6 +9,7 @@
 #include "local_group.h"
 #include "reduce.h"
 #include "secure_link.h"
+#include "sparse_rows.h"
 
 namespace bps {
 
@@ -199,7 +200,7 @@ bool Worker::UseHierarchy() const {
 int Worker::CompleteAt(const OpRequest& req) const {
   // Only ops over the whole job as such (participants 0): a caller that names the
   // participants (hierarchical slices) sums and divides by itself, over all of them.
-  if (!KOfN() || req.op == Op::kBroadcast || req.participants != 0)
+  if (!KOfN() || req.op == Op::kBroadcast || req.participants != 0 || req.sparse_row_width)
     return req.participants ? req.participants : size_;
   return opts_.aggregate;
 }
@@ -267,6 +268,18 @@ int64_t Worker::Enqueue(const OpRequest& req) {
       bad = "the learning rate must be finite and >= 0. Received: " + std::to_string(req.lr);
     if (!bad.empty()) throw Error(Error::kConfig, what + ": " + bad);
   }
+  if (req.sparse_row_width) {
+    const uint64_t row = SparseRowBytes(req.sparse_row_width);
+    std::string bad;
+    if (req.op != Op::kSum || req.participants != 0 || req.dtype != DType::kFloat32 || req.param || req.pull_only)
+      bad = "a row-sparse push_pull is an fp32 sum over the whole job";
+    else if (req.sparse_bytes % row != 0 || req.sparse_bytes > kMaxBodyLen)
+      bad = std::to_string(req.sparse_bytes) + " bytes are not whole rows (8-byte id + " +
+            std::to_string(req.sparse_row_width) + " floats) within the frame limit";
+    else if (req.shape != std::vector<int64_t>{req.sparse_row_width})
+      bad = "it is declared with shape {row_width}";
+    if (!bad.empty()) throw Error(Error::kConfig, "tensor '" + req.name + "': " + bad);
+  }
   if (req.op == Op::kBroadcast && (req.root < 0 || req.root >= size_))
     throw Error(Error::kConfig, "broadcast root must be in [0, " + std::to_string(size_) +
                                     "). Received: root_rank=" + std::to_string(req.root));
@@ -277,7 +290,8 @@ int64_t Worker::Enqueue(const OpRequest& req) {
                                     "]. Received: participants=" + std::to_string(req.participants));
   // Compressed blobs cannot be summed byte-wise in shared memory, so every rank pushes
   // its own to the servers (they decode, sum and re-encode).
-  if (group_ && req.op != Op::kBroadcast && req.participants == 0 && req.dtype != DType::kCompressed) {
+  if (group_ && req.op != Op::kBroadcast && req.participants == 0 && req.dtype != DType::kCompressed &&
+      !req.sparse_row_width) {
     // Hierarchical: the local group reduces on this host and pushes one slice per rank.
     // The whole tensor is declared with the scheduler first, as on the flat path, so a
     // shape or dtype that differs on any rank of any host fails on every rank (and the
@@ -432,11 +446,14 @@ void Worker::SenderLoop(DataConn* c) {
     const OpRequest& req = t.op->req;
     const bool bcast = req.op == Op::kBroadcast;
     const bool send_body = !req.pull_only && (!bcast || req.root == rank_);
+    const bool sparse = req.sparse_row_width > 0;  // one partition: the whole (ids, rows) body
+    const char* body = sparse ? static_cast<const char*>(req.input) : static_cast<const char*>(req.input) + t.offset;
+    const uint64_t body_len = sparse ? req.sparse_bytes : static_cast<uint64_t>(t.len);
     FrameHeader h;
     h.type = static_cast<uint16_t>(MsgType::kPush);
     h.key = t.key;
     h.version = t.version;
-    h.arg = t.len;
+    h.arg = static_cast<int64_t>(body_len);
     h.sender = rank_;
     h.flags = static_cast<uint16_t>((static_cast<int>(req.dtype) << 8) | (bcast ? kFlagBroadcast : 0) |
                                     (send_body ? 0 : kFlagEmpty));
@@ -446,14 +463,15 @@ void Worker::SenderLoop(DataConn* c) {
       meta.U32(participants);
       const int complete_at = CompleteAt(req);
       // The server checks every rank names the same root.
-      if (bcast || complete_at != static_cast<int>(participants) || req.param)
+      if (bcast || complete_at != static_cast<int>(participants) || req.param || sparse)
         meta.U32(bcast ? static_cast<uint32_t>(req.root) : UINT32_MAX);
-      if (complete_at != static_cast<int>(participants) || req.param) meta.U32(static_cast<uint32_t>(complete_at));
+      if (complete_at != static_cast<int>(participants) || req.param || sparse)
+        meta.U32(static_cast<uint32_t>(complete_at));
       if (req.param == 1)
         meta.U32(kParamInit).Str(opts_.consistency).U32(consistency_.staleness_lr ? 1 : 0).Str(req.server_optimizer);
       if (req.param == 2) meta.U32(kParamUpdate).F64(req.lr);
-      c->link->Send(h, meta.bytes(),
-                    send_body ? static_cast<const char*>(req.input) + t.offset : nullptr, send_body ? t.len : 0);
+      if (sparse) meta.U32(kSparseRows).U32(req.sparse_row_width);
+      c->link->Send(h, meta.bytes(), send_body ? body : nullptr, send_body ? body_len : 0);
     } catch (const Error& e) {
       if (!stopping_) Fail(Error::kPeer, e.what());
       return;
@@ -463,7 +481,7 @@ void Worker::SenderLoop(DataConn* c) {
     // progress, and two workers whose credit is full of different partitions would wait
     // for each other forever.
     std::lock_guard<std::mutex> lk(mu_);
-    stats_.bytes_pushed += send_body ? t.len : 0;
+    stats_.bytes_pushed += send_body ? static_cast<int64_t>(body_len) : 0;
     policy_->Done(t.len);
     t.op->bytes += t.len;
     if (trace_ && ++t.op->sent == t.op->total_parts) t.op->push_end_us = WallMicros();
@@ -492,10 +510,12 @@ void Worker::ReceiverLoop(DataConn* c) {
         discard = t.op->done;
         if (trace_ && !t.op->pull_begin_us) t.op->pull_begin_us = WallMicros();
       }
-      if (ok && h.body_len != static_cast<uint64_t>(t.len))
-        throw FrameError("reply of " + std::to_string(h.body_len) + " bytes for a partition of " +
-                         std::to_string(t.len));
       const OpRequest& req = t.op->req;
+      const bool sparse = req.sparse_row_width > 0;
+      if (ok && (sparse ? h.body_len % SparseRowBytes(req.sparse_row_width) != 0
+                        : h.body_len != static_cast<uint64_t>(t.len)))
+        throw FrameError("reply of " + std::to_string(h.body_len) + " bytes for a partition of " +
+                         std::to_string(t.len) + (sparse ? " (sparse: not whole rows)" : ""));
       // The answer sums `h.arg` pushes: every participant's, or at least the k of k-of-n.
       const int64_t participants = req.participants ? req.participants : size_;
       const int64_t summed = h.arg;
@@ -503,8 +523,14 @@ void Worker::ReceiverLoop(DataConn* c) {
         throw FrameError("reply summing " + std::to_string(summed) + " pushes for a round of " +
                          std::to_string(participants) + " participants");
       char* dst = static_cast<char*>(req.output) + t.offset;
+      std::string merged;
       if (!ok || discard) {
         c->link->DiscardBody(h.body_len);
+      } else if (sparse) {
+        // The worker keeps the answer, whatever its length, for TakeSparseResult; the
+        // adapter checks the ids (sorted, in range) when it unpacks them.
+        merged.resize(h.body_len);
+        c->link->RecvBody(merged.data(), h.body_len);
       } else {
         c->link->RecvBody(dst, h.body_len);
         // A k-of-n answer is averaged over the workers it sums (participants 0 = size_).
@@ -527,6 +553,7 @@ void Worker::ReceiverLoop(DataConn* c) {
         if (staleness < 0) throw FrameError("weights answer with staleness " + std::to_string(staleness));
       }
       std::lock_guard<std::mutex> lk(mu_);
+      if (sparse && ok && !discard) sparse_results_[t.op->id] = std::move(merged);
       if (staleness >= 0) {
         ++stats_.weight_answers;
         stats_.max_staleness = std::max(stats_.max_staleness, staleness);
@@ -535,7 +562,7 @@ void Worker::ReceiverLoop(DataConn* c) {
         uint64_t& answered = answered_rounds_[static_cast<int64_t>(h.key >> kPartBits)];
         answered = std::max(answered, static_cast<uint64_t>(newest) + 1);
       }
-      stats_.bytes_pulled += ok ? t.len : 0;
+      stats_.bytes_pulled += ok ? static_cast<int64_t>(h.body_len) : 0;
       stats_.late_partitions += ok && (h.flags & kFlagLate) ? 1 : 0;
       ++stats_.partitions;
       if (!ok) FailHandleLocked(t.op, Error::kGeneric, "server: " + MetaReader(meta).Str());
@@ -637,6 +664,15 @@ std::string Worker::Describe(int64_t id) {
   return what + " of '" + h.req.name + "' round " + std::to_string(h.version) + ": " +
          std::to_string(h.remaining) + " of " + std::to_string(h.total_parts) +
          " partitions still waiting for other ranks or servers";
+}
+
+std::string Worker::TakeSparseResult(int64_t handle) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = sparse_results_.find(handle);
+  if (it == sparse_results_.end()) return "";
+  std::string out = std::move(it->second);
+  sparse_results_.erase(it);
+  return out;
 }
 
 int64_t Worker::RoundsBehind(const std::string& name) {

@@ -151,6 +151,9 @@ class Worker {
   // that fell behind catches up with that many pull_only operations instead of computing
   // their gradients.
   int64_t RoundsBehind(const std::string& name);
+  // Row-sparse push_pull: the merged rows a finished sparse operation got (ids then rows,
+  // sparse_rows.h), once; empty when there were none or the handle is not a sparse op.
+  std::string TakeSparseResult(int64_t handle);
   WorkerStats stats();
   void SetTrace(bool on);
   std::vector<TraceRecord> DrainTrace();
@@ -218,6 +221,7 @@ class Worker {
   WorkerStats stats_;
   // tensor id -> rounds the servers answered early (k-of-n): the newest answered + 1
   std::map<int64_t, uint64_t> answered_rounds_;
+  std::unordered_map<int64_t, std::string> sparse_results_;  // handle -> merged rows
   std::unique_ptr<LocalGroup> group_;  // hierarchical mode only
   uint64_t next_group_ticket_ = 0;     // the order of group_->Submit (LocalGroup::Submit)
   bool trace_ = false;

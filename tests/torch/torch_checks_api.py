@@ -146,3 +146,23 @@ def check_broadcast_parameters_state_dict_named_and_list():
         raise AssertionError("an int is not a parameter collection")
     except ValueError:
         pass
+
+
+def check_sparse_push_pull_of_embedding_gradients_equals_dense_on_touched_rows():
+    r, n = bps.rank(), bps.size()
+    emb = torch.nn.Embedding(500, 6, sparse=True)
+    gen = torch.Generator().manual_seed(7 + r)
+    ids = torch.randint(0, 500, (40,), generator=gen)
+    ids[:5] = 3  # a shared row and duplicates
+    weights = torch.randint(-3, 4, (40, 6), generator=gen).float()  # exact sums in any order
+    (emb(ids) * weights).sum().backward()
+    grad = emb.weight.grad
+    assert grad.is_sparse
+    result = bps.sparse_push_pull(grad, name="check.sparse.emb")
+    dense = bps.push_pull(grad.to_dense(), name="check.sparse.dense")
+    assert result.is_sparse and result.shape == grad.shape
+    rows = result.indices()[0]
+    all_ids = [bps.broadcast(ids.clone(), root_rank=k, name=f"check.sparse.ids{k}") for k in range(n)]
+    assert torch.equal(rows, torch.unique(torch.cat(all_ids)))  # the union, nothing else
+    assert torch.equal(result.values(), dense[rows])  # bit for bit with the dense average
+    assert torch.equal(result.to_dense(), dense)

@@ -1,0 +1,90 @@
+"""Row-sparse push_pull for embedding-like tables (numpy; the adapters build on it).
+
+    ids, rows = sparse_push_pull(ids, rows, name="emb", num_rows=4_000_000)
+
+A worker sends only the rows it touched: duplicate ids are summed here first, the rows
+are cut into one shard per server by ``id % num_servers`` (so the load spreads with the
+ids), each shard travels as (ids ascending, rows) and its server merges the shards of
+every worker by id (core_ext/src/sparse_rows.h). Every worker gets the union back:
+sorted ids and their rows, summed over workers and divided by the worker count when
+``average``; rows nobody touched are not sent at all. Collective: every rank calls it
+for the same name in the same order (with any number of rows, none included).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+
+from bpstrain import engine
+
+
+def combine_duplicates(ids, rows) -> Tuple[np.ndarray, np.ndarray]:
+    """Unique ids ascending and the sum of each id's rows (float32)."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    rows = np.asarray(rows, dtype=np.float32)
+    if rows.ndim != 2 or rows.shape[0] != ids.shape[0]:
+        raise ValueError("rows must be (len(ids), width). Received: ids "
+                         f"{ids.shape}, rows {rows.shape}")
+    unique, inverse = np.unique(ids, return_inverse=True)
+    if unique.shape[0] == ids.shape[0]:
+        order = np.argsort(ids, kind="stable")
+        return ids[order], np.ascontiguousarray(rows[order])
+    summed = np.zeros((unique.shape[0], rows.shape[1]), np.float32)
+    np.add.at(summed, inverse, rows)
+    return unique, summed
+
+
+def encode(ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The wire body: int64 ids then float32 rows, as one uint8 array."""
+    return np.concatenate([ids.astype(np.int64).view(np.uint8).reshape(-1),
+                           np.ascontiguousarray(rows, np.float32).view(np.uint8).reshape(-1)])
+
+
+def decode(blob: bytes, width: int, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Checks and unpacks an answer (it came off the network)."""
+    row_bytes = 8 + 4 * width
+    if len(blob) % row_bytes:
+        raise ValueError(f"a sparse answer of {len(blob)} bytes is not whole rows of width {width}")
+    count = len(blob) // row_bytes
+    raw = np.frombuffer(blob, np.uint8)
+    ids = raw[:count * 8].view(np.int64)
+    if count and (ids[0] < 0 or ids[-1] >= num_rows or np.any(np.diff(ids) <= 0)):
+        raise ValueError("a sparse answer whose ids are not ascending within "
+                         f"[0, {num_rows})")
+    return ids.copy(), raw[count * 8:].view(np.float32).reshape(count, width).copy()
+
+
+def sparse_push_pull(ids, rows, name: str, num_rows: int, average: bool = True,
+                     priority: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """Sums (or averages) rows by id over all ranks; returns ``(ids, rows)`` of the union.
+
+    Args:
+        ids: row ids of this rank's rows, in ``[0, num_rows)``, duplicates allowed.
+        rows: ``(len(ids), width)`` float32.
+        name: the table's name (the same on every rank).
+        num_rows: the table's height (ids are checked against it).
+    """
+    ids, rows = combine_duplicates(ids, rows)
+    if ids.size and (ids[0] < 0 or ids[-1] >= num_rows):
+        raise ValueError(f"row ids must be in [0, {num_rows}). Received: {ids[0]} .. {ids[-1]}")
+    width = rows.shape[1]
+    if not engine.env().distributed:
+        return ids, rows
+    worker = engine.core_worker()
+    shards = max(1, worker.num_servers)
+    handles = []
+    for s in range(shards):
+        mine = (ids % shards) == s
+        body = encode(ids[mine], rows[mine])
+        handle = worker.enqueue_sparse(f"{name}.rows{s}", width, body, priority)
+        handles.append(engine.adopt(handle, body, lambda _, h=handle: worker.take_sparse_result(h)))
+    parts = [decode(engine.synchronize(h), width, num_rows) for h in handles]
+    out_ids = np.concatenate([p[0] for p in parts])
+    out_rows = np.concatenate([p[1] for p in parts]).reshape(-1, width)
+    order = np.argsort(out_ids, kind="stable")
+    out_ids, out_rows = out_ids[order], out_rows[order]
+    if average:
+        out_rows *= np.float32(1.0) / np.float32(engine.size())  # as dense averages: x * (1/n)
+    return out_ids, out_rows
