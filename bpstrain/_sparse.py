@@ -56,6 +56,46 @@ def decode(blob: bytes, width: int, num_rows: int) -> Tuple[np.ndarray, np.ndarr
     return ids.copy(), raw[count * 8:].view(np.float32).reshape(count, width).copy()
 
 
+class Pending:
+    """A started row-sparse push_pull (:func:`start`); :func:`finish` waits for it."""
+
+    def __init__(self, ids, rows, width, num_rows, average, handles):
+        self.ids, self.rows, self.width = ids, rows, width
+        self.num_rows, self.average, self.handles = num_rows, average, handles
+
+
+def start(ids, rows, name: str, num_rows: int, average: bool = True, priority: int = 0) -> Pending:
+    """Starts :func:`sparse_push_pull` (every shard's operation queued); returns at once."""
+    ids, rows = combine_duplicates(ids, rows)
+    if ids.size and (ids[0] < 0 or ids[-1] >= num_rows):
+        raise ValueError(f"row ids must be in [0, {num_rows}). Received: {ids[0]} .. {ids[-1]}")
+    width = rows.shape[1]
+    handles = []
+    if engine.env().distributed:
+        worker = engine.core_worker()
+        shards = max(1, worker.num_servers)
+        for s in range(shards):
+            mine = (ids % shards) == s
+            body = encode(ids[mine], rows[mine])
+            handle = worker.enqueue_sparse(f"{name}.rows{s}", width, body, priority)
+            handles.append(engine.adopt(handle, body, lambda _, h=handle: worker.take_sparse_result(h)))
+    return Pending(ids, rows, width, num_rows, average, handles)
+
+
+def finish(pending: Pending) -> Tuple[np.ndarray, np.ndarray]:
+    """Waits for a started push_pull; returns ``(ids, rows)`` of the union."""
+    if not pending.handles:  # a single process: its own rows
+        return pending.ids, pending.rows
+    parts = [decode(engine.synchronize(h), pending.width, pending.num_rows) for h in pending.handles]
+    out_ids = np.concatenate([p[0] for p in parts])
+    out_rows = np.concatenate([p[1] for p in parts]).reshape(-1, pending.width)
+    order = np.argsort(out_ids, kind="stable")
+    out_ids, out_rows = out_ids[order], out_rows[order]
+    if pending.average:
+        out_rows *= np.float32(1.0) / np.float32(engine.size())  # as dense averages: x * (1/n)
+    return out_ids, out_rows
+
+
 def sparse_push_pull(ids, rows, name: str, num_rows: int, average: bool = True,
                      priority: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """Sums (or averages) rows by id over all ranks; returns ``(ids, rows)`` of the union.
@@ -66,25 +106,4 @@ def sparse_push_pull(ids, rows, name: str, num_rows: int, average: bool = True,
         name: the table's name (the same on every rank).
         num_rows: the table's height (ids are checked against it).
     """
-    ids, rows = combine_duplicates(ids, rows)
-    if ids.size and (ids[0] < 0 or ids[-1] >= num_rows):
-        raise ValueError(f"row ids must be in [0, {num_rows}). Received: {ids[0]} .. {ids[-1]}")
-    width = rows.shape[1]
-    if not engine.env().distributed:
-        return ids, rows
-    worker = engine.core_worker()
-    shards = max(1, worker.num_servers)
-    handles = []
-    for s in range(shards):
-        mine = (ids % shards) == s
-        body = encode(ids[mine], rows[mine])
-        handle = worker.enqueue_sparse(f"{name}.rows{s}", width, body, priority)
-        handles.append(engine.adopt(handle, body, lambda _, h=handle: worker.take_sparse_result(h)))
-    parts = [decode(engine.synchronize(h), width, num_rows) for h in handles]
-    out_ids = np.concatenate([p[0] for p in parts])
-    out_rows = np.concatenate([p[1] for p in parts]).reshape(-1, width)
-    order = np.argsort(out_ids, kind="stable")
-    out_ids, out_rows = out_ids[order], out_rows[order]
-    if average:
-        out_rows *= np.float32(1.0) / np.float32(engine.size())  # as dense averages: x * (1/n)
-    return out_ids, out_rows
+    return finish(start(ids, rows, name, num_rows, average, priority))

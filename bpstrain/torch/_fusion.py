@@ -32,6 +32,7 @@ class Bucket:
         self.handle = None
         self.ctx = None
         self.compressed = None
+        self.sparse: set = set()  # ids of members whose gradient came sparse (sent dense here)
 
     def views(self) -> List[torch.Tensor]:
         """The members' slices of the flat buffer, shaped like the members."""
@@ -49,10 +50,11 @@ class Bucket:
         grads, views, empty = [], [], []
         for p, view in zip(self.params, self.views()):
             if p.requires_grad and p.grad is not None:
-                if p.grad.is_sparse:
-                    raise ValueError("DistributedOptimizer does not support sparse gradients. "
-                                     f"Received: a sparse gradient for a {tuple(p.shape)} parameter")
-                grads.append(p.grad)
+                if p.grad.is_sparse:  # a small embedding: dense in the bucket, sparse again after
+                    self.sparse.add(id(p))
+                    grads.append(p.grad.to_dense())
+                else:
+                    grads.append(p.grad)
                 views.append(view)
             else:
                 empty.append(view)
@@ -73,6 +75,9 @@ class Bucket:
         for p, view in zip(self.params, self.views()):
             if not p.requires_grad:
                 continue
+            if id(p) in self.sparse:
+                p.grad = view.to_sparse(1)  # the rows some rank touched (nonzero)
+                continue
             _unused.zeros_if_missing(p)  # none at launch: the bucket sent zeros for it
             targets.append(p.grad)
             sources.append(view)
@@ -85,6 +90,7 @@ class Bucket:
     def reset(self) -> None:
         """Forgets this step (the buffer is kept for the next)."""
         self.ready.clear()
+        self.sparse.clear()
         self.handle = self.ctx = self.compressed = None
 
 

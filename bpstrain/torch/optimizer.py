@@ -94,6 +94,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bps_handles = {}  # id(p) -> (p, handle, (compressed, ctx)) of unfused parameters
         self._bps_fired = set()  # parameters whose gradient is final for this step
         self._bps_had_grad = {}  # id(p) -> False when synchronize() supplied zeros
+        self._bps_sparse = {}  # id(p) -> (p, started row-sparse push_pull) of this step
+        self._bps_sparse_params = set()  # parameters whose gradients came sparse (embeddings)
         bucket_bytes = max(int(ops._runtime().chunk_bytes), 1 << 20)
         self._bps_buckets = _fusion.plan_buckets(all_params, prefix, fusion_threshold_bytes,
                                                  bucket_bytes, exclude=set(self._bps_stateful))
@@ -137,6 +139,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bps_fired.add(id(p))
         bucket = self._bps_bucket_of.get(id(p))
         if bucket is None:
+            if p.grad is not None and p.grad.is_sparse:
+                # nn.Embedding(sparse=True): only the touched rows travel (bpstrain.torch.sparse).
+                from bpstrain.torch.sparse import sparse_push_pull_async
+
+                self._bps_sparse_params.add(id(p))
+                self._bps_sparse[id(p)] = (p, sparse_push_pull_async(
+                    p.grad, self._bps_names[id(p)] + ".sparse", self._bps_average, self._bps_priority[id(p)]))
+                return
             self._bps_handles[id(p)] = (p,) + self._bps_push_pull_async(p)
             return
         bucket.ready.add(id(p))
@@ -160,7 +170,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def in_flight(self) -> int:
         """Number of push_pulls started by the hooks and not yet synchronized."""
-        return len(self._bps_handles) + sum(b.handle is not None for b in self._bps_buckets)
+        return (len(self._bps_handles) + len(self._bps_sparse)
+                + sum(b.handle is not None for b in self._bps_buckets))
 
     def synchronize(self):
         """Waits for every gradient's push_pull; afterwards ``p.grad`` holds the average."""
@@ -174,6 +185,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for bucket in self._bps_buckets:
                 if bucket.handle is not None:
                     bucket.finish(self._bps_compression, self._bps_had_grad)
+            if self._bps_sparse:
+                from bpstrain.torch.sparse import synchronize_sparse
+
+                for key, (p, started) in list(self._bps_sparse.items()):
+                    p.grad = synchronize_sparse(started)
+                    if self._bps_had_grad.get(key) is False and p.grad._nnz() == 0:
+                        p.grad = None  # unused on every rank, as in a local run
         finally:
             self._bps_end_step()
         self._bps_synchronized = True
@@ -185,8 +203,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             key = id(p)
             if key not in self._bps_names or not p.requires_grad or key in self._bps_fired:
                 continue
-            # Unused here, maybe used elsewhere: contribute zeros rather than hang.
-            self._bps_had_grad[key] = _unused.zeros_if_missing(p)
+            # Unused here, maybe used elsewhere: contribute zeros rather than hang (no rows,
+            # for an embedding whose gradients come sparse).
+            if key in self._bps_sparse_params and p.grad is None and key not in self._bps_bucket_of:
+                self._bps_had_grad[key] = False
+                p.grad = torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.long),
+                                                 torch.zeros((0, *p.shape[1:]), dtype=p.dtype), p.shape)
+            else:
+                self._bps_had_grad[key] = _unused.zeros_if_missing(p)
             self._bps_ready(p)
         for bucket in self._bps_buckets:  # buckets whose members are partly frozen
             if bucket.handle is None and any(q.requires_grad for q in bucket.params):
@@ -212,6 +236,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for bucket in self._bps_buckets if reset_buckets else ():
             bucket.reset()
         self._bps_handles.clear()
+        self._bps_sparse.clear()
         self._bps_fired.clear()
         self._bps_had_grad.clear()
 

@@ -117,6 +117,8 @@ class _ServerOptimizer(torch.optim.Optimizer):
             raise AssertionError("a gradient was computed twice before step(): comm.consistency ssp/async "
                                  "pushes each backward pass (call step() after every backward)")
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        if grad.is_sparse:  # the servers hold the whole table: its dense gradient
+            grad = grad.to_dense()
         src = grad.detach().to("cpu", torch.float32).contiguous()
         dst = torch.empty_like(src)
         lr = float(self._bps_group[id(p)]["lr"])

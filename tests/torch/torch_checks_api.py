@@ -166,3 +166,46 @@ def check_sparse_push_pull_of_embedding_gradients_equals_dense_on_touched_rows()
     assert torch.equal(rows, torch.unique(torch.cat(all_ids)))  # the union, nothing else
     assert torch.equal(result.values(), dense[rows])  # bit for bit with the dense average
     assert torch.equal(result.to_dense(), dense)
+
+
+class _TwoTables(torch.nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        torch.manual_seed(3)
+        self.big = torch.nn.Embedding(20000, 16, sparse=sparse)   # 1.28 MB: its own operation
+        self.small = torch.nn.Embedding(100, 4, sparse=sparse)    # fused with the head
+        self.head = torch.nn.Linear(20, 1)
+
+    def forward(self, ids, small_ids, use_big=True):
+        big = self.big(ids).mean(1) if use_big else torch.zeros(ids.shape[0], 16)
+        return self.head(torch.cat([big, self.small(small_ids).mean(1)], 1))
+
+
+def check_distributed_optimizer_sends_sparse_embedding_gradients_as_rows():
+    r, n = bps.rank(), bps.size()
+    gen = torch.Generator().manual_seed(11 + r)
+    grads = {}
+    for sparse in (True, False):
+        model = _TwoTables(sparse)
+        opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + r)
+            ids, small_ids = torch.randint(0, 20000, (8, 5), generator=g), torch.randint(0, 100, (8, 3), generator=g)
+            opt.zero_grad()
+            # Step 2: the last rank does not use the big table (it sends no rows).
+            model(ids, small_ids, use_big=step < 2 or r != n - 1).pow(2).mean().backward()
+            opt.synchronize()
+            grads[(sparse, step)] = {k: (v.grad.to_dense() if v.grad.is_sparse else v.grad).clone()
+                                     for k, v in model.named_parameters()}
+            if sparse:
+                assert model.big.weight.grad.is_sparse and model.small.weight.grad.is_sparse
+            with opt.skip_synchronize():
+                opt.step()
+    for step in range(3):
+        for k in grads[(True, step)]:
+            a, b = grads[(True, step)][k], grads[(False, step)][k]
+            if n == 2:  # two summands: the same bits in any order
+                assert torch.equal(a, b), (k, (a - b).abs().max())
+            else:
+                assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (k, (a - b).abs().max())
