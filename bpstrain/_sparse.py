@@ -107,3 +107,96 @@ def sparse_push_pull(ids, rows, name: str, num_rows: int, average: bool = True,
         num_rows: the table's height (ids are checked against it).
     """
     return finish(start(ids, rows, name, num_rows, average, priority))
+
+
+def initial_rows(ids, width: int, scale: float, seed: int) -> np.ndarray:
+    """The rows a table spec ``init=uniform:<scale> seed=<seed>`` starts with (the servers'
+    initialiser in core_ext/src/row_table.cc, in numpy: splitmix64, 24 bits, [-a, a))."""
+    ids = np.asarray(ids, np.uint64).reshape(-1, 1)
+    with np.errstate(over="ignore"):
+        x = np.uint64(seed) ^ (ids * np.uint64(width) + np.arange(width, dtype=np.uint64))
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    unit = (x >> np.uint64(40)).astype(np.float32) / np.float32(16777216.0)
+    return ((np.float32(2.0) * unit - np.float32(1.0)) * np.float32(scale)).astype(np.float32)
+
+
+class EmbeddingTable:
+    """An embedding table kept by the parameter servers (the workers never hold it).
+
+        table = EmbeddingTable("user_emb", num_rows=40_000_000, width=64, optimizer="adagrad",
+                               init_scale=0.01)
+        rows = table.pull(ids)             # (len(ids), 64): the current rows, duplicates too
+        ...forward, backward to the rows...
+        table.push(ids, row_grads, lr=0.05)  # averaged over workers, applied on the servers
+
+    Rows live on server ``id % num_servers``, are created on first touch (zeros, or
+    uniform in ``[-init_scale, init_scale)`` from ``seed``, the same wherever and whenever
+    they are created), and are updated by sparse SGD or Adagrad (``torch.optim.Adagrad``'s
+    rule, its accumulator on the servers) once every worker pushed the step. Both calls
+    are collective: every rank calls them for the same table in the same order (each
+    with its own ids; a rank may pull no rows), as the servers number a table's
+    operations.
+    """
+
+    def __init__(self, name: str, num_rows: int, width: int, optimizer: str = "sgd",
+                 init_scale: float = 0.0, seed: int = 0, eps: float = 1e-10,
+                 initial_accumulator: float = 0.0):
+        if optimizer not in ("sgd", "adagrad"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adagrad'. Received: {optimizer!r}")
+        if num_rows < 1 or width < 1 or init_scale < 0:
+            raise ValueError("num_rows and width must be >= 1 and init_scale >= 0. Received: "
+                             f"{num_rows}, {width}, {init_scale}")
+        self.name, self.num_rows, self.width = name, int(num_rows), int(width)
+        init = f"uniform:{float(init_scale)!r}" if init_scale > 0 else "zeros"
+        self.spec = (f"init={init} seed={int(seed)} optimizer={optimizer} eps={float(eps)!r} "
+                     f"initial_accumulator={float(initial_accumulator)!r}")
+        self._version = 0
+
+    def _shards(self):
+        return max(1, engine.core_worker().num_servers)
+
+    def _check(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_rows):
+            raise ValueError(f"row ids must be in [0, {self.num_rows}). Received: {ids.min()} .. {ids.max()}")
+        return ids
+
+    def pull(self, ids) -> np.ndarray:
+        """Collective: the current rows of this rank's ``ids`` (any order, duplicates
+        allowed), ``(len(ids), width)``."""
+        ids = self._check(ids)
+        unique, inverse = np.unique(ids, return_inverse=True)
+        worker, shards = engine.core_worker(), self._shards()
+        rows = np.empty((unique.size, self.width), np.float32)
+        started = []
+        for s in range(shards):
+            mine = np.nonzero(unique % shards == s)[0]
+            body = np.ascontiguousarray(unique[mine])
+            h = worker.enqueue_sparse(f"{self.name}.table{s}", self.width, body.view(np.uint8), 0,
+                                      param=4, table=self.spec)
+            started.append((mine, engine.adopt(h, body, lambda _, h=h: worker.take_sparse_result(h))))
+        for mine, handle in started:
+            got = np.frombuffer(engine.synchronize(handle), np.float32)
+            if got.size != mine.size * self.width:
+                raise ValueError(f"a table answer of {got.size} values for {mine.size} rows")
+            rows[mine] = got.reshape(mine.size, self.width)
+        return rows[inverse]
+
+    def push(self, ids, grads, lr: float) -> None:
+        """Collective: this rank's gradients of the rows of ``ids`` (duplicates summed);
+        the servers average every rank's (ranks that did not touch a row count as zero)
+        and apply one optimizer step to each touched row."""
+        ids, grads = combine_duplicates(self._check(ids), grads)
+        worker, shards = engine.core_worker(), self._shards()
+        handles = []
+        for s in range(shards):
+            mine = ids % shards == s
+            body = encode(ids[mine], grads[mine])
+            h = worker.enqueue_sparse(f"{self.name}.table{s}", self.width, body, 0, param=5, lr=float(lr),
+                                      table=self.spec)
+            handles.append(engine.adopt(h, body, lambda _, h=h: worker.take_sparse_result(h)))
+        for handle in handles:
+            engine.synchronize(handle)

@@ -44,6 +44,9 @@ struct OpRequest {
   // Row-sparse push_pull (sparse_rows.h): > 0 = the table's row width; `input` holds
   // `sparse_bytes` of ids then rows, the answer (the merged rows, any length) is kept for
   // Worker::TakeSparseResult and `output` is unused. Declared as shape {row_width}.
+  // With `param` 4 (table pull: `input` holds ids only; the answer is their rows) or 5
+  // (table push: ids and gradient rows, applied by the servers with `lr`; the answer is
+  // empty), `server_optimizer` is the table spec (row_table.h).
   uint32_t sparse_row_width = 0;
   uint64_t sparse_bytes = 0;
 };

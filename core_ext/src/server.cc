@@ -1,8 +1,11 @@
 #include "server.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 
 #include "affinity.h"
+#include "reduce.h"
 
 namespace bps {
 
@@ -402,6 +405,16 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
     if (p.broadcast || empty || p.dtype != DType::kFloat32 || p.complete_at != p.expected ||
         p.row_width < 1 || p.row_width > (1u << 20) || p.len % SparseRowBytes(p.row_width) != 0)
       throw FrameError("a sparse push that is not whole fp32 rows of width 1..2^20 with their ids");
+  } else if (param == kRowsPull || param == kRowsPush) {
+    p.row_width = r.U32();
+    p.param_spec = r.Str();
+    if (param == kRowsPush) p.lr = r.F64();
+    RowTableSpec spec;
+    const uint64_t unit = param == kRowsPull ? 8 : SparseRowBytes(p.row_width);
+    if (p.broadcast || empty || p.dtype != DType::kFloat32 || p.complete_at != p.expected ||
+        p.row_width < 1 || p.row_width > (1u << 20) || p.len % unit != 0 || !std::isfinite(p.lr) || p.lr < 0 ||
+        !ParseRowTableSpec(p.param_spec, &spec).empty())
+      throw FrameError("an embedding-table operation with a bad width, length, learning rate or spec");
   } else {
     throw FrameError("push with unknown parameter operation " + std::to_string(param));
   }
@@ -413,7 +426,8 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
 void Server::Process(EngineThread* et, Task& t) {
   const Push& p = t.push;
   if (p.param == kParamUpdate) return ProcessParamUpdate(et, t);
-  if (p.param == kSparseRows) return ProcessSparse(et, t);
+  if (p.param == kSparseRows || p.param == kRowsPush) return ProcessSparse(et, t);
+  if (p.param == kRowsPull) return ProcessRowsPull(et, t);
   auto reject = [&](const std::string& msg) { Reject(t, msg); };
   // Only error messages need it: built on demand, not for every push.
   auto what = [&p] { return "partition " + std::to_string(p.key) + " round " + std::to_string(p.version); };
@@ -604,14 +618,18 @@ void Server::ProcessSparse(EngineThread* et, Task& t) {
     it->second.expected = p.expected;
     it->second.width = p.row_width;
     it->second.merged = std::make_unique<RowMerger>(p.row_width);
+    it->second.table = p.param == kRowsPush;
+    it->second.lr = p.lr;
+    it->second.spec = p.param_spec;
   }
   SparseRound& sr = it->second;
   if (std::find(sr.senders.begin(), sr.senders.end(), p.sender) != sr.senders.end())
     return Reject(t, "duplicate push of " + what() + " from the same worker");
-  if ((sr.width != p.row_width || sr.expected != p.expected) && sr.error.empty())
+  if ((sr.width != p.row_width || sr.expected != p.expected || sr.table != (p.param == kRowsPush) ||
+       sr.lr != p.lr || sr.spec != p.param_spec) && sr.error.empty())
     sr.error = what() + ": rows of " + std::to_string(p.row_width) + " values from worker " +
-               std::to_string(p.sender) + ", of " + std::to_string(sr.width) + " from another; every rank needs "
-               "the same table width";
+               std::to_string(p.sender) + ", of " + std::to_string(sr.width) + " from another (or a different "
+               "operation, learning rate or table spec); every rank needs the same";
   if (sr.error.empty() && p.body) {
     std::string bad = sr.merged->Add(p.body->data(), p.len);
     if (!bad.empty()) {
@@ -629,10 +647,63 @@ void Server::ProcessSparse(EngineThread* et, Task& t) {
   reply.version = p.version;
   reply.arg = sr.expected;
   std::shared_ptr<Buffer> body = sr.error.empty() ? sr.merged->Result(*pool_) : nullptr;
+  if (sr.table && sr.error.empty()) {
+    // Storage mode: the average of every worker's gradient, one optimizer step per row.
+    RowTable* table = TableFor(et, p, &sr.error);
+    if (table && body) {
+      const uint64_t count = body->size() / SparseRowBytes(sr.width);
+      const int64_t* ids = reinterpret_cast<const int64_t*>(body->data());
+      float* grads = reinterpret_cast<float*>(body->data() + count * 8);
+      DivideInPlace(DType::kFloat32, grads, count * sr.width, sr.expected);
+      table->Apply(ids, count, grads, sr.lr);
+    }
+    body.reset();  // the answer is an acknowledgement
+    if (!sr.error.empty()) reply.type = static_cast<uint16_t>(MsgType::kError);
+  }
   reply.body_len = body ? body->size() : 0;
   const std::string meta = sr.error.empty() ? "" : MetaWriter().Str(sr.error).bytes();
   for (auto& w : sr.waiters) w->Reply(reply, meta, body);  // one answer, shared
   et->sparse_rounds.erase(it);
+}
+
+RowTable* Server::TableFor(EngineThread* et, const Push& p, std::string* error) {
+  auto it = et->tables.find(p.key);
+  if (it == et->tables.end()) {
+    RowTableSpec spec;
+    ParseRowTableSpec(p.param_spec, &spec);  // checked in ParsePush
+    it = et->tables.emplace(p.key, std::make_unique<RowTable>(p.row_width, spec, p.param_spec)).first;
+  }
+  RowTable* t = it->second.get();
+  if (t->width() != p.row_width || t->text() != p.param_spec) {
+    *error = "embedding table partition " + std::to_string(p.key) + " was created with width " +
+             std::to_string(t->width()) + " and '" + t->text() + "'; this operation says " +
+             std::to_string(p.row_width) + " and '" + p.param_spec + "'";
+    return nullptr;
+  }
+  return t;
+}
+
+void Server::ProcessRowsPull(EngineThread* et, Task& t) {
+  const Push& p = t.push;
+  std::string error;
+  RowTable* table = TableFor(et, p, &error);
+  if (!table) return Reject(t, error);
+  const uint64_t count = p.len / 8;
+  std::vector<int64_t> ids(count);
+  if (count) std::memcpy(ids.data(), p.body->data(), count * 8);
+  for (uint64_t i = 0; i < count; ++i)
+    if (ids[i] < 0 || (i && ids[i] <= ids[i - 1]))
+      return Reject(t, "embedding table partition " + std::to_string(p.key) +
+                           ": row ids are not non-negative and strictly ascending");
+  std::shared_ptr<Buffer> rows = count ? pool_->Acquire(count * 4ull * p.row_width) : nullptr;
+  if (rows) table->Read(ids.data(), count, reinterpret_cast<float*>(rows->data()));
+  FrameHeader reply;
+  reply.type = static_cast<uint16_t>(MsgType::kPullReply);
+  reply.key = p.key;
+  reply.version = p.version;
+  reply.arg = p.expected;
+  reply.body_len = rows ? rows->size() : 0;
+  t.from->Reply(reply, "", std::move(rows));
 }
 
 }  // namespace bps

@@ -27,6 +27,7 @@
 #include "connection_threads.h"
 #include "control.h"
 #include "param_store.h"
+#include "row_table.h"
 #include "secure_link.h"
 #include "sparse_rows.h"
 #include "server_handler.h"
@@ -107,6 +108,9 @@ class Server {
     std::vector<int> senders;
     std::string error;  // pushes disagreed: every waiter gets it at the end
     Clock::time_point started = Clock::now();
+    bool table = false;  // kRowsPush: apply the merged gradients to the key's RowTable
+    double lr = 0;
+    std::string spec;
   };
   struct EngineThread {
     std::mutex mu;
@@ -125,6 +129,7 @@ class Server {
     std::unique_ptr<ParamStore> params;
     std::map<std::tuple<uint64_t, int, uint64_t>, std::shared_ptr<Conn>> param_waiters;
     std::map<std::pair<uint64_t, uint64_t>, SparseRound> sparse_rounds;  // (key, version)
+    std::map<uint64_t, std::unique_ptr<RowTable>> tables;  // embedding storage, by key
     // rounds, finished and held together, for stats() from other threads
     std::atomic<int64_t> pending{0};
     std::thread thread;
@@ -145,6 +150,9 @@ class Server {
                   Task& t);
   void ProcessParamUpdate(EngineThread* et, Task& t);
   void ProcessSparse(EngineThread* et, Task& t);
+  void ProcessRowsPull(EngineThread* et, Task& t);
+  // The key's table, created by this push's spec; null (and *error set) on a mismatch.
+  RowTable* TableFor(EngineThread* et, const Push& p, std::string* error);
   void SendParamAnswers(EngineThread* et, std::vector<ParamStore::Answer>& answers);
   void ForgetFinished(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it);
   void ReleaseHeld(EngineThread* et, uint64_t key);

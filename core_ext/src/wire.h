@@ -61,15 +61,20 @@ enum PushFlags : uint16_t {
 //     str consistency ("ssp:<s>" | "async"), u32 staleness_lr, str server optimizer;
 //   kParamUpdate (a gradient; the answer is the weights): f64 learning rate;
 //   kSparseRows (row-sparse push_pull, sparse_rows.h; `arg` = the body's length, which
-//     varies per push): u32 row width (floats).
-enum ParamOp : uint32_t { kParamNone = 0, kParamInit = 1, kParamUpdate = 2, kSparseRows = 3 };
+//     varies per push): u32 row width (floats);
+//   kRowsPull / kRowsPush (the servers as embedding storage, row_table.h; body: ids /
+//     ids and gradient rows): u32 row width, str table spec, and for a push f64 lr.
+enum ParamOp : uint32_t {
+  kParamNone = 0, kParamInit = 1, kParamUpdate = 2, kSparseRows = 3, kRowsPull = 4, kRowsPush = 5
+};
 // A kPush with kFlagEmpty that is not a broadcast is a catch-up pull: a k-of-n worker
 // that fell behind takes an answered round's result without contributing.
 // kPullReply: `arg` holds the number of pushes summed into the answer; a k-of-n round's
 // answer has meta i64 = the newest round of that partition the server answered early
 // (how far the others are); a kParamUpdate's answer has `arg` = participants and meta
 // i64 = its staleness (ParamStore::Answer); a kSparseRows answer's body is the merged
-// rows (any length). Flags:
+// rows (any length), a kRowsPull answer's the rows asked for, a kRowsPush answer is
+// empty (the round's merged gradients were applied). Flags:
 enum ReplyFlags : uint16_t {
   kFlagLate = 1,  // the round completed before this worker's push; its push was dropped
 };

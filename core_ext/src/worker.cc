@@ -9,6 +9,7 @@
 #include "local_group.h"
 #include "reduce.h"
 #include "secure_link.h"
+#include "row_table.h"
 #include "sparse_rows.h"
 
 namespace bps {
@@ -250,7 +251,7 @@ int64_t Worker::Enqueue(const OpRequest& req) {
     throw Error(Error::kConfig, "comm.aggregate k:" + std::to_string(opts_.aggregate) +
                                     " does not combine with compression yet: the adapter averages a "
                                     "compressed sum over every worker; use comm.aggregate=all");
-  if (req.param != 0) {
+  if (req.param == 1 || req.param == 2) {
     const std::string what = "tensor '" + req.name + "': server-held weights (comm.consistency ssp/async)";
     ServerOptimizer parsed;
     std::string bad;
@@ -271,9 +272,18 @@ int64_t Worker::Enqueue(const OpRequest& req) {
   if (req.sparse_row_width) {
     const uint64_t row = SparseRowBytes(req.sparse_row_width);
     std::string bad;
-    if (req.op != Op::kSum || req.participants != 0 || req.dtype != DType::kFloat32 || req.param || req.pull_only)
+    const bool pull = req.param == 4;
+    RowTableSpec spec;
+    if (req.op != Op::kSum || req.participants != 0 || req.dtype != DType::kFloat32 || req.pull_only ||
+        (req.param != 0 && req.param != 4 && req.param != 5))
       bad = "a row-sparse push_pull is an fp32 sum over the whole job";
-    else if (req.sparse_bytes % row != 0 || req.sparse_bytes > kMaxBodyLen)
+    else if (req.param && !(bad = ParseRowTableSpec(req.server_optimizer, &spec)).empty())
+      bad = "embedding table spec: " + bad;
+    else if (req.param == 5 && (!(req.lr >= 0) || !std::isfinite(req.lr)))
+      bad = "the learning rate must be finite and >= 0";
+    else if (pull && (req.sparse_bytes % 8 != 0 || req.sparse_bytes > kMaxBodyLen))
+      bad = std::to_string(req.sparse_bytes) + " bytes are not whole 8-byte ids within the frame limit";
+    else if (!pull && (req.sparse_bytes % row != 0 || req.sparse_bytes > kMaxBodyLen))
       bad = std::to_string(req.sparse_bytes) + " bytes are not whole rows (8-byte id + " +
             std::to_string(req.sparse_row_width) + " floats) within the frame limit";
     else if (req.shape != std::vector<int64_t>{req.sparse_row_width})
@@ -470,7 +480,10 @@ void Worker::SenderLoop(DataConn* c) {
       if (req.param == 1)
         meta.U32(kParamInit).Str(opts_.consistency).U32(consistency_.staleness_lr ? 1 : 0).Str(req.server_optimizer);
       if (req.param == 2) meta.U32(kParamUpdate).F64(req.lr);
-      if (sparse) meta.U32(kSparseRows).U32(req.sparse_row_width);
+      if (sparse && req.param == 0) meta.U32(kSparseRows).U32(req.sparse_row_width);
+      if (sparse && req.param == 4) meta.U32(kRowsPull).U32(req.sparse_row_width).Str(req.server_optimizer);
+      if (sparse && req.param == 5)
+        meta.U32(kRowsPush).U32(req.sparse_row_width).Str(req.server_optimizer).F64(req.lr);
       c->link->Send(h, meta.bytes(), send_body ? body : nullptr, send_body ? body_len : 0);
     } catch (const Error& e) {
       if (!stopping_) Fail(Error::kPeer, e.what());
@@ -512,7 +525,12 @@ void Worker::ReceiverLoop(DataConn* c) {
       }
       const OpRequest& req = t.op->req;
       const bool sparse = req.sparse_row_width > 0;
-      if (ok && (sparse ? h.body_len % SparseRowBytes(req.sparse_row_width) != 0
+      // Sparse answers: merged (id, row)s; a table pull's rows, one per id asked; a table
+      // push's acknowledgement, empty.
+      const uint64_t asked_rows = 4ull * req.sparse_row_width * (req.sparse_bytes / 8);
+      if (ok && (sparse ? (req.param == 4   ? h.body_len != asked_rows
+                           : req.param == 5 ? h.body_len != 0
+                                            : h.body_len % SparseRowBytes(req.sparse_row_width) != 0)
                         : h.body_len != static_cast<uint64_t>(t.len)))
         throw FrameError("reply of " + std::to_string(h.body_len) + " bytes for a partition of " +
                          std::to_string(t.len) + (sparse ? " (sparse: not whole rows)" : ""));

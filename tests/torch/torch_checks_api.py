@@ -5,6 +5,7 @@ Functions take ``device`` so torch_checks_cuda.py reruns them on the GPU.
 
 import time
 
+import numpy as np
 import torch
 
 import bpstrain.torch as bps
@@ -209,3 +210,47 @@ def check_distributed_optimizer_sends_sparse_embedding_gradients_as_rows():
                 assert torch.equal(a, b), (k, (a - b).abs().max())
             else:
                 assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (k, (a - b).abs().max())
+
+
+def check_embedding_table_on_the_servers_matches_a_single_process_reference():
+    from bpstrain._sparse import EmbeddingTable, initial_rows
+
+    r, n = bps.rank(), bps.size()
+    rows_total, width, lr, steps = 3000, 4, 0.5, 4
+    for optimizer in ("sgd", "adagrad"):
+        table = EmbeddingTable(f"check.table.{optimizer}", rows_total, width, optimizer=optimizer,
+                               init_scale=0.05, seed=7)
+        ref = {}  # the single-process replay: id -> row (and accumulator)
+        acc = {}
+
+        def ids_of(rank, step):
+            g = np.random.default_rng(1000 * step + rank)
+            return g.integers(0, rows_total, 30)
+
+        for step in range(steps):
+            mine = ids_of(r, step)
+            got = table.pull(mine)
+            for i in np.unique(np.concatenate([ids_of(k, step) for k in range(n)])):
+                ref.setdefault(int(i), initial_rows([i], width, 0.05, 7)[0].astype(np.float64))
+                acc.setdefault(int(i), np.zeros(width))
+            np.testing.assert_allclose(got, np.stack([ref[int(i)] for i in mine]), rtol=1e-6, atol=1e-7)
+            table.push(mine, np.full((30, width), r + 1, np.float32), lr=lr)  # duplicates sum
+            total = {}
+            for k in range(n):
+                for i in ids_of(k, step):
+                    total[int(i)] = total.get(int(i), 0.0) + (k + 1)
+            for i, g in total.items():
+                g = g / n
+                if optimizer == "sgd":
+                    ref[i] = ref[i] - lr * g
+                else:
+                    acc[i] = acc[i] + g * g
+                    ref[i] = ref[i] - lr * g / (np.sqrt(acc[i]) + 1e-10)
+        every = np.arange(rows_total)
+        final = table.pull(every if r == 0 else every[:0])
+        if r == 0:
+            touched = np.array(sorted(ref))
+            np.testing.assert_allclose(final[touched], np.stack([ref[int(i)] for i in touched]),
+                                       rtol=1e-5, atol=1e-6)
+            untouched = np.setdiff1d(every, touched)
+            np.testing.assert_array_equal(final[untouched], initial_rows(untouched, width, 0.05, 7))

@@ -1,0 +1,52 @@
+// The parameter servers as embedding storage (issue 16's storage mode): a table's rows
+// live only on the servers (each server the ids of its shard), are created on first
+// touch with a deterministic initialiser, and are updated by a sparse optimizer on the
+// server; workers pull the rows they need and push gradients for them, never holding
+// the table.
+//
+// Table spec (sent with every operation; the first one creates the table, later ones
+// must match): "init=<zeros|uniform:<a>> seed=<s> optimizer=<sgd|adagrad> [eps=<e>]
+// [initial_accumulator=<v>]". Initial row j of id i: uniform in [-a, a) from
+// splitmix64(seed ^ (i * width + j)) (bpstrain/_sparse.py has the numpy twin).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace bps {
+
+struct RowTableSpec {
+  double init_scale = 0;  // 0 = zeros
+  uint64_t seed = 0;
+  bool adagrad = false;
+  double eps = 1e-10, initial_accumulator = 0;
+};
+
+// Returns "" or what is wrong.
+std::string ParseRowTableSpec(const std::string& text, RowTableSpec* out);
+
+class RowTable {
+ public:
+  RowTable(uint32_t width, const RowTableSpec& spec, std::string text)
+      : width_(width), spec_(spec), text_(std::move(text)) {}
+  uint32_t width() const { return width_; }
+  const std::string& text() const { return text_; }
+  // The rows of `ids` (count of them), created on first touch, into out (count x width).
+  void Read(const int64_t* ids, uint64_t count, float* out);
+  // One optimizer step on the rows of `ids` with their averaged gradients (count x width).
+  void Apply(const int64_t* ids, uint64_t count, const float* grads, double lr);
+  size_t rows() const { return index_.size(); }
+
+ private:
+  float* Row(int64_t id);
+
+  uint32_t width_;
+  RowTableSpec spec_;
+  std::string text_;
+  std::unordered_map<int64_t, size_t> index_;
+  std::vector<float> data_, accum_;
+};
+
+}  // namespace bps
