@@ -125,6 +125,12 @@ def test_ssp_with_a_scripted_slow_rank_equals_an_in_process_replay():
     assert _value(job, DIGITS, 2)["max_staleness"] <= 2
 
 
+@pytest.mark.timeout(300)
+def test_a_table_ten_times_a_workers_memory_cap_trains_on_the_servers():
+    job = run_job(2, 2, ["torch_checks_storage"])
+    _assert_check(job, "check_a_table_ten_times_the_worker_memory_cap_trains", 2)
+
+
 @pytest.mark.timeout(30)
 def test_jobs_exit_cleanly():
     for workers, servers in ((2, 1), (3, 2)):
