@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable, List, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from bpstrain import _group
@@ -36,21 +37,49 @@ def broadcast_variables(variables: Iterable, root_rank: int, name: str = "broadc
 
 
 def reduce_gradients(grads: Sequence, sources: Sequence, prefix: str,
-                     average: bool = True, compression=Compression.none) -> List:
+                     average: bool = True, compression=Compression.none,
+                     sparse_as_dense: bool = False) -> List:
     """push_pulls the non-None gradients as one group; None stays None.
 
     Engine names are ``<prefix>.<source variable path>`` (index for unnamed
-    sources). IndexedSlices (embedding gradients) are sent dense, compressed by
-    ``compression`` on the way (a stateful codec keys its state by those names).
+    sources). IndexedSlices (embedding gradients) travel as rows (only the rows some
+    rank touched, :func:`reduce_indexed_slices`) unless ``sparse_as_dense`` or a
+    ``compression`` is given; then they are sent dense, compressed by ``compression``
+    on the way (a stateful codec keys its state by those names).
     """
     present = [i for i, g in enumerate(grads) if g is not None]
     names = _group.unique_names([
         f"{prefix}.{_source_name(sources[i], i) if i < len(sources) else i}" for i in present])
-    reduced = reduce_with(compression, [grads[i] for i in present], names, average)
+    as_rows = not sparse_as_dense and compression is Compression.none
+    rows = [(i, name) for i, name in zip(present, names) if as_rows and isinstance(grads[i], tf.IndexedSlices)]
+    dense = [(i, name) for i, name in zip(present, names) if (i, name) not in rows]
+    reduced = reduce_with(compression, [grads[i] for i, _ in dense], [name for _, name in dense], average)
     out = list(grads)
-    for i, value in zip(present, reduced):
+    for (i, _), value in zip(dense, reduced):
         out[i] = value
+    for i, name in rows:
+        out[i] = reduce_indexed_slices(grads[i], name, average)
     return out
+
+
+def reduce_indexed_slices(grad: tf.IndexedSlices, name: str, average: bool = True) -> tf.IndexedSlices:
+    """Row-sparse push_pull of an embedding gradient (:mod:`bpstrain._sparse`): only the
+    rows some rank touched travel; the result holds their union, eagerly or in a graph."""
+    from bpstrain import _sparse
+
+    def run(indices, values, num_rows):
+        ids, rows = _sparse.sparse_push_pull(indices, values.reshape(len(indices), -1).astype(np.float32),
+                                             name, int(num_rows), average)
+        return ids.astype(np.int64), rows.reshape((-1,) + values.shape[1:])
+
+    if tf.executing_eagerly():
+        ids, rows = run(grad.indices.numpy(), grad.values.numpy(), int(grad.dense_shape[0]))
+    else:
+        ids, rows = tf.numpy_function(run, [grad.indices, grad.values, grad.dense_shape[0]],
+                                      [tf.int64, tf.float32], stateful=True, name="bpstrain_sparse_rows")
+        ids.set_shape([None])
+        rows.set_shape([None] + grad.values.shape.as_list()[1:])
+    return tf.IndexedSlices(tf.cast(rows, grad.values.dtype), tf.cast(ids, grad.indices.dtype), grad.dense_shape)
 
 
 def _source_name(source, index: int) -> str:
@@ -65,6 +94,7 @@ class _DistributedTapeMixin:
     _bps_prefix = "DistributedGradientTape"
     _bps_average = True
     _bps_compression = Compression.none
+    _bps_sparse_as_dense = False
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
@@ -73,7 +103,7 @@ class _DistributedTapeMixin:
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         flat_sources = tf.nest.flatten(sources, expand_composites=False)
         reduced = reduce_gradients(flat_grads, flat_sources, self._bps_prefix, self._bps_average,
-                                   self._bps_compression)
+                                   self._bps_compression, self._bps_sparse_as_dense)
         return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
 
 
@@ -103,7 +133,9 @@ def DistributedGradientTape(gradtape: tf.GradientTape, average: Optional[bool] =
         op: ``Average`` (default) or ``Sum``, as in Horovod.
         device_dense, device_sparse: Accepted for Horovod/BytePS compatibility and
             ignored: gradients travel through host memory.
-        sparse_as_dense: Accepted and ignored: IndexedSlices are always sent dense.
+        sparse_as_dense: Send IndexedSlices (embedding gradients) dense; by default
+            only the rows some rank touched travel and the result is IndexedSlices of
+            their union (dense with a ``compression``).
 
     Returns:
         An instance of a subclass of ``type(gradtape)``.
@@ -125,6 +157,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, average: Optional[bool] =
     tape._bps_prefix = name or "DistributedGradientTape"
     tape._bps_average = average
     tape._bps_compression = compression
+    tape._bps_sparse_as_dense = bool(sparse_as_dense)
     return tape
 
 

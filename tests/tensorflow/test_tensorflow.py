@@ -14,7 +14,7 @@ sys.path.insert(0, str(HERE.parent / "keras"))
 from launched_job import assert_check, launch  # noqa: E402
 
 CHECKS = ["dtypes", "graph_names", "gradients", "variables_and_tape", "optimizers",
-          "mismatch", "custom_loop", "xla_refused", "ops_and_compression", "allgather"]
+          "mismatch", "custom_loop", "xla_refused", "ops_and_compression", "allgather", "sparse_rows"]
 WORKERS = 3
 _job = []
 
