@@ -16,6 +16,7 @@ Examples::
     python -m bpstrain.bench control-plane         # 16-1024 simulated workers: form, barrier
     python -m bpstrain.bench compression --rate-mbit 100 800   # compressors vs DDP hooks (root)
     python -m bpstrain.bench stragglers --scenarios none transient   # sync vs k-of-n (root)
+    python -m bpstrain.bench sparse                                  # sparse embeddings (root)
     python -m bpstrain.bench compression --loopback --hosts 2 --servers 1 --iters 1 \
         --model digits_mlp --systems none onebit ddp-fp16 --acc-systems none topk \
         --tta-systems onebit --acc-steps 4 --tta-steps 4 --kernel-mbytes 1   # smoke, no root
@@ -30,13 +31,14 @@ import json
 import sys
 
 from bpstrain.bench import (_jobs, cluster, compression, control_plane, emulated, fuzz, hierarchical,
-                            loopback, overhead, scaling, stragglers)
+                            loopback, overhead, scaling, sparse, stragglers)
 from bpstrain.bench.bounds import parse_size
 from bpstrain.bench.table import format_table
 
 # Benchmarks with their own module: add_arguments() and run_args().
 _MODULES = {"hierarchical": hierarchical, "scaling": scaling, "overhead": overhead, "fuzz": fuzz,
-            "control-plane": control_plane, "compression": compression, "stragglers": stragglers}
+            "control-plane": control_plane, "compression": compression, "stragglers": stragglers,
+            "sparse": sparse}
 _HELP = {"hierarchical": "flat vs hierarchical push_pull, hosts x local ranks (root)",
          "scaling": "bpstrain time vs workers and size on emulated hosts (root)",
          "overhead": "per-op cost of bpstrain.engine and bpstrain.torch over the raw binding",
@@ -44,7 +46,8 @@ _HELP = {"hierarchical": "flat vs hierarchical push_pull, hosts x local ranks (r
          "control-plane": "form, barrier, shutdown and scheduler memory of 16-1024 simulated workers",
          "compression": "gradient compressors vs DDP's hooks: step time, wire bytes, accuracy, "
                         "GB/s (root; --loopback none)",
-         "stragglers": "synchronous vs k-of-n training with injected stragglers (root; --loopback none)"}
+         "stragglers": "synchronous vs k-of-n training with injected stragglers (root; --loopback none)",
+         "sparse": "row-sparse embeddings vs bpstrain dense and DDP-gloo sparse: step, wire bytes (root)"}
 _ON_LOOPBACK = ("loopback", "overhead", "fuzz", "control-plane")  # need no emulated hosts (no root)
 
 

@@ -89,3 +89,12 @@ def test_stragglers_bench_compares_sync_k_of_n_and_ssp(capsys):
     stale = {r[1]: int(r[-1]) for r in rows}
     assert late["sync"] == 0 and late["k:2"] > 0  # the slow worker's pushes did not count
     assert stale["sync"] == 0 and stale["ssp:1"] == 1  # the fast ones ran one step ahead
+
+
+@pytest.mark.timeout(240)
+def test_sparse_bench_runs_the_three_systems(capsys):
+    assert main(["sparse", "--loopback", "--hosts", "2", "--servers", "1", "--rows", "20000", "--dim", "8",
+                 "--batch", "64", "--fields", "4", "--steps", "2", "--dense-steps", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:]]
+    assert [r[0] for r in rows] == ["bpstrain-sparse", "bpstrain-dense", "ddp"]
+    assert rows[0][7] != "-" and rows[0][8] != "-"  # the sparse row has its bounds

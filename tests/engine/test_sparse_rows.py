@@ -53,6 +53,9 @@ def test_sparse_equals_dense_on_touched_rows_and_sends_no_other(workers, servers
             return out
 
         results = c.run_all(job)
+        # The shards spread over the servers (one shard per server, by id).
+        owners = {c.workers[0].partitions(f"emb.rows{s}")[0][2] for s in range(servers)}
+        assert owners == set(range(servers)), owners
     for step in range(3):
         union = np.unique(np.concatenate([touched(r, step)[0] for r in range(workers)]))
         (ids, rows), dense = results[0][step]

@@ -1,0 +1,163 @@
+"""Sparse embeddings: bpstrain's row-sparse push_pull against bpstrain dense and torch DDP
+(gloo) with sparse embeddings, on a DLRM-like model generated in code::
+
+    python -m bpstrain.bench sparse                           # 4 worker + 4 server hosts, 800 Mbit/s
+    python -m bpstrain.bench sparse --rows 100000 --loopback  # smoke, no root
+
+Every system trains the model of :mod:`bpstrain.bench._sparse_worker` (an EmbeddingBag of
+``--rows`` x ``--dim`` fp32, batch ``--batch`` x ``--fields`` Zipf ids per worker, a linear
+head, SGD) on the emulated cluster (worker hosts 0..H-1, server hosts H..H+K-1, the
+scheduler on H+K, every link capped with ``tc tbf``; DDP on the worker hosts). Columns:
+the median over steps of the slowest worker's step; the bytes each worker host's link
+sent and received per step (its namespace's interface counters; mean over workers);
+for bpstrain-sparse the bound the issue sets, ids + unique rows x row bytes each way
+(push: the worker's own unique rows; pull: the union), and the measured/bound ratio;
+speed-ups of bpstrain-sparse over the others in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from collections.abc import Sequence
+
+from bpstrain.bench import _jobs, emulated
+from bpstrain.bench._hosts import EmulatedHosts, LoopbackHosts
+from bpstrain.bench.training import ps_layout, run_ddp_job
+
+_WORKER = "bpstrain.bench._sparse_worker"
+SYSTEMS = ("bpstrain-sparse", "bpstrain-dense", "ddp")
+
+
+@dataclasses.dataclass
+class SparsePlan:
+    systems: Sequence[str] = SYSTEMS
+    hosts: int = 4
+    servers: int = 4
+    rate_mbit: float = 800.0
+    rows: int = 4_000_000
+    dim: int = 64
+    batch: int = 1024
+    fields: int = 26
+    zipf: float = 1.05
+    steps: int = 10
+    dense_steps: int = 2  # a dense step moves the whole table: a few are enough
+    warmup: int = 1
+    loopback: bool = False
+    timeout_s: float = 900.0
+
+
+@dataclasses.dataclass
+class SparseRow:
+    system: str
+    step_s: float
+    tx_per_step: float  # bytes a worker host sent per step (mean over workers)
+    rx_per_step: float
+    push_bound: float | None = None  # bpstrain-sparse: own unique rows x (8 + 4 dim)
+    pull_bound: float | None = None  # the union x (8 + 4 dim)
+    speedup: float | None = None  # bpstrain-sparse's step against this one's
+
+
+def _row(system: str, payloads: list[dict], dim: int) -> SparseRow:
+    res = [p["results"][0] for p in payloads]
+    steps = len(res[0]["times"])
+    step = statistics.median(max(ts) for ts in zip(*[r["times"] for r in res]))
+    row = SparseRow(system, step, statistics.mean(r["tx"] for r in res) / steps,
+                    statistics.mean(r["rx"] for r in res) / steps)
+    if system == "bpstrain-sparse":
+        per_row = 8 + 4 * dim
+        row.push_bound = statistics.mean(statistics.mean(r["own_rows"]) for r in res) * per_row
+        row.pull_bound = statistics.mean(statistics.mean(r["union_rows"]) for r in res) * per_row
+    return row
+
+
+def run(plan: SparsePlan, log=None) -> list[SparseRow]:
+    """One job per system on freshly built hosts; returns the rows."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    for system in plan.systems:
+        if system not in SYSTEMS:
+            raise ValueError(f"Expected systems among {', '.join(SYSTEMS)}. Received: {system!r}")
+    layout = ps_layout(plan.hosts, plan.servers, plan.loopback)
+    rows = []
+    for system in plan.systems:
+        if plan.loopback:
+            hosts, cluster = LoopbackHosts(), None
+        else:
+            count = plan.hosts + plan.servers + 1
+            cluster = emulated.EmulatedCluster(count, [plan.rate_mbit] * count)
+            hosts = EmulatedHosts(cluster)
+        steps = plan.dense_steps if system == "bpstrain-dense" else plan.steps
+        argv = [sys.executable, "-m", _WORKER, "--system", system, "--rows", str(plan.rows), "--dim",
+                str(plan.dim), "--batch", str(plan.batch), "--fields", str(plan.fields), "--zipf",
+                str(plan.zipf), "--steps", str(steps), "--warmup", str(plan.warmup), "--ifname", hosts.ifname]
+        log(f"[sparse] {system}: {plan.hosts} worker hosts, {plan.servers} server hosts, "
+            f"{'loopback' if plan.loopback else f'{plan.rate_mbit:g} Mbit/s'}")
+        try:
+            if system == "ddp":
+                payloads = run_ddp_job(hosts, plan.hosts, argv, plan.timeout_s)
+            else:
+                payloads = _jobs.run_ps_job(hosts, layout, [*argv, "--timeout", str(plan.timeout_s)],
+                                            plan.timeout_s, {"BPSTRAIN_OP_TIMEOUT": str(int(plan.timeout_s))})
+        finally:
+            if cluster is not None:
+                cluster.close()
+        rows.append(_row(system, payloads, plan.dim))
+    sparse = [r for r in rows if r.system == "bpstrain-sparse"]
+    for r in rows:
+        if sparse:
+            r.speedup = r.step_s / sparse[0].step_s
+    return rows
+
+
+def format_table(rows: Sequence[SparseRow]) -> str:
+    head = (f"{'system':<16} {'step':>10} {'tx/step':>10} {'rx/step':>10} {'push bound':>11} "
+            f"{'pull bound':>11} {'tx/bound':>9} {'rx/bound':>9} {'sparse is':>10}")
+    lines = [head, "-" * len(head)]
+    mb = lambda b: f"{b / 1e6:8.2f} MB" if b is not None else f"{'-':>11}"
+    for r in rows:
+        tx_ratio = f"{r.tx_per_step / r.push_bound:8.2f}x" if r.push_bound else f"{'-':>9}"
+        rx_ratio = f"{r.rx_per_step / r.pull_bound:8.2f}x" if r.pull_bound else f"{'-':>9}"
+        speed = f"{r.speedup:8.1f}x" if r.speedup is not None else f"{'-':>10}"
+        lines.append(f"{r.system:<16} {r.step_s * 1e3:7.1f} ms {r.tx_per_step / 1e6:7.2f} MB "
+                     f"{r.rx_per_step / 1e6:7.2f} MB {mb(r.push_bound)} {mb(r.pull_bound)} {tx_ratio} "
+                     f"{rx_ratio} {speed:>10}")
+    return "\n".join(lines)
+
+
+def needs_root(args: argparse.Namespace) -> bool:
+    """Whether these flags build emulated hosts."""
+    return not args.loopback
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds this benchmark's flags (used by ``bpstrain.bench.cli``)."""
+    d = SparsePlan()
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--hosts", type=int, default=d.hosts, help="worker hosts (one worker each)")
+    parser.add_argument("--servers", type=int, default=d.servers, help="server hosts")
+    parser.add_argument("--rate-mbit", type=float, default=d.rate_mbit, help="per-host link cap")
+    parser.add_argument("--rows", type=int, default=d.rows, help="embedding rows")
+    parser.add_argument("--dim", type=int, default=d.dim, help="embedding width")
+    parser.add_argument("--batch", type=int, default=d.batch, help="samples per worker")
+    parser.add_argument("--fields", type=int, default=d.fields, help="ids per sample")
+    parser.add_argument("--zipf", type=float, default=d.zipf, help="Zipf exponent of the ids")
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--dense-steps", type=int, default=d.dense_steps)
+    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument("--loopback", action="store_true", help="no namespaces, no caps (no root)")
+    parser.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per job")
+
+
+def run_args(args: argparse.Namespace) -> tuple[str, str, list[dict]]:
+    """Runs the benchmark for parsed flags; returns ``(title, table, json records)``."""
+    plan = SparsePlan(systems=args.systems, hosts=args.hosts, servers=args.servers, rate_mbit=args.rate_mbit,
+                      rows=args.rows, dim=args.dim, batch=args.batch, fields=args.fields, zipf=args.zipf,
+                      steps=args.steps, dense_steps=args.dense_steps, warmup=args.warmup,
+                      loopback=args.loopback, timeout_s=args.timeout)
+    rows = run(plan)
+    where = "loopback" if plan.loopback else f"{plan.rate_mbit:g} Mbit/s per host"
+    title = (f"sparse embeddings: {plan.hosts} workers, {plan.servers} servers, {where}, "
+             f"{plan.rows} x {plan.dim} fp32, batch {plan.batch} x {plan.fields} Zipf({plan.zipf:g}) ids")
+    return title, format_table(rows), [dataclasses.asdict(r) for r in rows]
