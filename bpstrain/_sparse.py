@@ -27,6 +27,8 @@ def combine_duplicates(ids, rows) -> Tuple[np.ndarray, np.ndarray]:
     if rows.ndim != 2 or rows.shape[0] != ids.shape[0]:
         raise ValueError("rows must be (len(ids), width). Received: ids "
                          f"{ids.shape}, rows {rows.shape}")
+    if ids.size < 2 or bool(np.all(ids[1:] > ids[:-1])):  # already coalesced (torch's coalesce)
+        return ids, np.ascontiguousarray(rows)
     unique, inverse = np.unique(ids, return_inverse=True)
     if unique.shape[0] == ids.shape[0]:
         order = np.argsort(ids, kind="stable")

@@ -37,8 +37,9 @@ def synchronize_sparse(started) -> torch.Tensor:
     tensor, pending = started
     out_ids, out_rows = _sparse.finish(pending)
     values = torch.from_numpy(out_rows).reshape(-1, *tensor.shape[1:]).to(tensor.dtype)
-    result = torch.sparse_coo_tensor(torch.from_numpy(out_ids)[None], values, tensor.shape)
-    return result.coalesce().to(tensor.device)
+    # finish() returns unique ids in ascending order: coalesced already (no second sort).
+    result = torch.sparse_coo_tensor(torch.from_numpy(out_ids)[None], values, tensor.shape, is_coalesced=True)
+    return result.to(tensor.device)
 
 
 def sparse_push_pull(tensor: torch.Tensor, name: str, average: bool = True) -> torch.Tensor:
