@@ -58,6 +58,19 @@ def decode(blob: bytes, width: int, num_rows: int) -> Tuple[np.ndarray, np.ndarr
     return ids.copy(), raw[count * 8:].view(np.float32).reshape(count, width).copy()
 
 
+def _num_shards() -> int:
+    """One shard of every table per server (ids ``% num_servers``)."""
+    return max(1, engine.core_worker().num_servers)
+
+
+def _enqueue_shard(name: str, width: int, body: np.ndarray, priority: int = 0, **options) -> int:
+    """Queues one shard's sparse operation; returns its engine handle, whose result
+    (:func:`engine.synchronize`) is the answer's bytes."""
+    worker = engine.core_worker()
+    handle = worker.enqueue_sparse(name, width, body, priority, **options)
+    return engine.adopt(handle, body, lambda _: worker.take_sparse_result(handle))
+
+
 class Pending:
     """A started row-sparse push_pull (:func:`start`); :func:`finish` waits for it."""
 
@@ -74,13 +87,10 @@ def start(ids, rows, name: str, num_rows: int, average: bool = True, priority: i
     width = rows.shape[1]
     handles = []
     if engine.env().distributed:
-        worker = engine.core_worker()
-        shards = max(1, worker.num_servers)
+        shards = _num_shards()
         for s in range(shards):
             mine = (ids % shards) == s
-            body = encode(ids[mine], rows[mine])
-            handle = worker.enqueue_sparse(f"{name}.rows{s}", width, body, priority)
-            handles.append(engine.adopt(handle, body, lambda _, h=handle: worker.take_sparse_result(h)))
+            handles.append(_enqueue_shard(f"{name}.rows{s}", width, encode(ids[mine], rows[mine]), priority))
     return Pending(ids, rows, width, num_rows, average, handles)
 
 
@@ -157,9 +167,6 @@ class EmbeddingTable:
                      f"initial_accumulator={float(initial_accumulator)!r}")
         self._version = 0
 
-    def _shards(self):
-        return max(1, engine.core_worker().num_servers)
-
     def _check(self, ids) -> np.ndarray:
         ids = np.asarray(ids, np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_rows):
@@ -171,15 +178,14 @@ class EmbeddingTable:
         allowed), ``(len(ids), width)``."""
         ids = self._check(ids)
         unique, inverse = np.unique(ids, return_inverse=True)
-        worker, shards = engine.core_worker(), self._shards()
+        shards = _num_shards()
         rows = np.empty((unique.size, self.width), np.float32)
         started = []
         for s in range(shards):
             mine = np.nonzero(unique % shards == s)[0]
-            body = np.ascontiguousarray(unique[mine])
-            h = worker.enqueue_sparse(f"{self.name}.table{s}", self.width, body.view(np.uint8), 0,
-                                      param=4, table=self.spec)
-            started.append((mine, engine.adopt(h, body, lambda _, h=h: worker.take_sparse_result(h))))
+            body = np.ascontiguousarray(unique[mine]).view(np.uint8)
+            started.append((mine, _enqueue_shard(f"{self.name}.table{s}", self.width, body, param=4,
+                                                 table=self.spec)))
         for mine, handle in started:
             got = np.frombuffer(engine.synchronize(handle), np.float32)
             if got.size != mine.size * self.width:
@@ -192,13 +198,11 @@ class EmbeddingTable:
         the servers average every rank's (ranks that did not touch a row count as zero)
         and apply one optimizer step to each touched row."""
         ids, grads = combine_duplicates(self._check(ids), grads)
-        worker, shards = engine.core_worker(), self._shards()
+        shards = _num_shards()
         handles = []
         for s in range(shards):
             mine = ids % shards == s
-            body = encode(ids[mine], grads[mine])
-            h = worker.enqueue_sparse(f"{self.name}.table{s}", self.width, body, 0, param=5, lr=float(lr),
-                                      table=self.spec)
-            handles.append(engine.adopt(h, body, lambda _, h=h: worker.take_sparse_result(h)))
+            handles.append(_enqueue_shard(f"{self.name}.table{s}", self.width, encode(ids[mine], grads[mine]),
+                                          param=5, lr=float(lr), table=self.spec))
         for handle in handles:
             engine.synchronize(handle)
