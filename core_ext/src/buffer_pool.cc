@@ -5,9 +5,14 @@
 
 namespace bps {
 
-Buffer::Buffer(size_t size) : size_(size) {
-  size_t rounded = (size + 63) / 64 * 64;
-  data_ = static_cast<char*>(std::aligned_alloc(64, rounded ? rounded : 64));
+size_t BufferSizeClass(size_t size) {
+  if (size <= 4096) return size ? (size + 63) / 64 * 64 : 64;
+  const size_t step = (size_t{1} << (63 - __builtin_clzll(size - 1))) / 4;
+  return (size + step - 1) / step * step;
+}
+
+Buffer::Buffer(size_t size) : size_(size), capacity_(BufferSizeClass(size)) {
+  data_ = static_cast<char*>(std::aligned_alloc(64, capacity_));
   if (!data_) throw std::bad_alloc();
 }
 
@@ -17,10 +22,11 @@ std::shared_ptr<Buffer> BufferPool::Acquire(size_t size) {
   std::unique_ptr<Buffer> b;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    auto it = free_.find(size);
+    auto it = free_.find(BufferSizeClass(size));
     if (it != free_.end() && !it->second.empty()) {
       b = std::move(it->second.back());
       it->second.pop_back();
+      b->size_ = size;
     }
   }
   if (!b) b = std::make_unique<Buffer>(size);
@@ -33,7 +39,7 @@ std::shared_ptr<Buffer> BufferPool::Acquire(size_t size) {
 
 void BufferPool::Release(Buffer* b) {
   std::lock_guard<std::mutex> lk(mu_);
-  auto& v = free_[b->size()];
+  auto& v = free_[b->capacity()];
   if (v.size() < max_free_) v.emplace_back(b);
   else delete b;
 }

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "fma_clones.h"
 #include "reduce.h"
 
 namespace bps {
@@ -172,7 +173,7 @@ std::string ParamStore::Update(uint64_t key, int worker, uint64_t version, const
   return "";
 }
 
-void ParamStore::Step(Entry& e, const float* grad, double lr) {
+BPS_FMA_CLONES void ParamStore::Step(Entry& e, const float* grad, double lr) {
   const ServerOptimizer& o = e.optimizer;
   const size_t n = e.weights.size();
   float* p = e.weights.data();

@@ -1,9 +1,12 @@
 #include "row_table.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+
+#include "fma_clones.h"
 
 namespace bps {
 
@@ -53,41 +56,46 @@ std::string ParseRowTableSpec(const std::string& text, RowTableSpec* out) {
   return "";
 }
 
-float* RowTable::Row(int64_t id) {
-  auto [it, fresh] = index_.emplace(id, index_.size());
-  if (fresh) {
-    data_.resize(index_.size() * width_);
-    float* row = data_.data() + it->second * width_;
-    for (uint32_t j = 0; j < width_; ++j) {
-      if (spec_.init_scale == 0) {
-        row[j] = 0;
-        continue;
-      }
-      // 24 random bits -> [0, 1) exactly in float, then [-a, a).
-      const uint64_t bits = SplitMix64(spec_.seed ^ (static_cast<uint64_t>(id) * width_ + j)) >> 40;
-      const float unit = static_cast<float>(bits) / 16777216.0f;
-      row[j] = (2.0f * unit - 1.0f) * static_cast<float>(spec_.init_scale);
-    }
-    if (spec_.adagrad) accum_.resize(index_.size() * width_, static_cast<float>(spec_.initial_accumulator));
+float* RowTable::Row(int64_t id, uint64_t* slot) {
+  const auto [at, fresh] = index_.Insert(id);
+  *slot = at;
+  if (!fresh) return At(data_, at);
+  if (at % kChunkRows == 0) {  // the first row of a new chunk
+    data_.emplace_back(new float[kChunkRows * width_]);
+    if (spec_.adagrad) accum_.emplace_back(new float[kChunkRows * width_]);
   }
-  return data_.data() + it->second * width_;
+  float* row = At(data_, at);
+  for (uint32_t j = 0; j < width_; ++j) {
+    if (spec_.init_scale == 0) {
+      row[j] = 0;
+      continue;
+    }
+    // 24 random bits -> [0, 1) exactly in float, then [-a, a).
+    const uint64_t bits = SplitMix64(spec_.seed ^ (static_cast<uint64_t>(id) * width_ + j)) >> 40;
+    const float unit = static_cast<float>(bits) / 16777216.0f;
+    row[j] = (2.0f * unit - 1.0f) * static_cast<float>(spec_.init_scale);
+  }
+  if (spec_.adagrad) std::fill_n(At(accum_, at), width_, static_cast<float>(spec_.initial_accumulator));
+  return row;
 }
 
 void RowTable::Read(const int64_t* ids, uint64_t count, float* out) {
-  for (uint64_t i = 0; i < count; ++i) std::memcpy(out + i * width_, Row(ids[i]), 4ull * width_);
+  uint64_t slot;
+  for (uint64_t i = 0; i < count; ++i) std::memcpy(out + i * width_, Row(ids[i], &slot), 4ull * width_);
 }
 
-void RowTable::Apply(const int64_t* ids, uint64_t count, const float* grads, double lr) {
+BPS_FMA_CLONES void RowTable::Apply(const int64_t* ids, uint64_t count, const float* grads, double lr) {
   const float neg_lr = static_cast<float>(-lr), eps = static_cast<float>(spec_.eps);
   for (uint64_t i = 0; i < count; ++i) {
-    float* row = Row(ids[i]);
+    uint64_t slot;
+    float* row = Row(ids[i], &slot);
     const float* g = grads + i * width_;
     if (!spec_.adagrad) {
       for (uint32_t j = 0; j < width_; ++j) row[j] = std::fma(g[j], neg_lr, row[j]);
       continue;
     }
     // torch.optim.Adagrad (no decay): state_sum += g*g; p -= lr * g / (sqrt(state_sum) + eps).
-    float* acc = accum_.data() + index_.at(ids[i]) * width_;
+    float* acc = At(accum_, slot);
     for (uint32_t j = 0; j < width_; ++j) {
       acc[j] = std::fma(g[j], g[j], acc[j]);
       row[j] = std::fma(neg_lr, g[j] / (std::sqrt(acc[j]) + eps), row[j]);

@@ -11,9 +11,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
-#include <unordered_map>
 #include <vector>
+
+#include "id_index.h"
 
 namespace bps {
 
@@ -40,13 +42,20 @@ class RowTable {
   size_t rows() const { return index_.size(); }
 
  private:
-  float* Row(int64_t id);
+  // Rows live in chunks of kChunkRows, so a growing table never moves (copies) the
+  // rows it has; the Adagrad accumulators the same, in accum_.
+  static constexpr uint64_t kChunkRows = 4096;
+  // The row of `id` (and its slot), created on first touch.
+  float* Row(int64_t id, uint64_t* slot);
+  float* At(std::vector<std::unique_ptr<float[]>>& chunks, uint64_t slot) {
+    return chunks[slot / kChunkRows].get() + (slot % kChunkRows) * width_;
+  }
 
   uint32_t width_;
   RowTableSpec spec_;
   std::string text_;
-  std::unordered_map<int64_t, size_t> index_;
-  std::vector<float> data_, accum_;
+  IdIndex index_;
+  std::vector<std::unique_ptr<float[]>> data_, accum_;
 };
 
 }  // namespace bps

@@ -20,13 +20,13 @@ std::string RowMerger::Add(const char* body, uint64_t len) {
              std::to_string(i) + ")";
   const float* rows = reinterpret_cast<const float*>(body + count * 8);
   for (uint64_t i = 0; i < count; ++i) {
-    auto [it, fresh] = index_.emplace(ids[i], ids_.size());
+    const auto [slot, fresh] = index_.Insert(ids[i]);
     const float* src = rows + i * width_;
     if (fresh) {
       ids_.push_back(ids[i]);
       rows_.insert(rows_.end(), src, src + width_);
     } else {
-      float* dst = rows_.data() + it->second * width_;
+      float* dst = rows_.data() + slot * width_;
       for (uint32_t j = 0; j < width_; ++j) dst[j] += src[j];  // arrival order, as dense sums
     }
   }

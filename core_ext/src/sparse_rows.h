@@ -10,10 +10,10 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "buffer_pool.h"
+#include "id_index.h"
 
 namespace bps {
 
@@ -31,7 +31,7 @@ class RowMerger {
 
  private:
   uint32_t width_;
-  std::unordered_map<int64_t, size_t> index_;  // id -> row in rows_
+  IdIndex index_;  // id -> row in rows_
   std::vector<int64_t> ids_;
   std::vector<float> rows_;
 };
