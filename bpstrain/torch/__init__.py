@@ -19,7 +19,8 @@ Run it with ``python -m bpstrain.launch --workers 4 --servers 2 -- python train.
 or alone (``python train.py``: rank 0 of 1). Modules: :mod:`.ops` (collectives),
 :mod:`.optimizer`, :mod:`.cross_barrier` (step() without the barrier), :mod:`.functions` (broadcast helpers), :mod:`.parallel` (DDP),
 :mod:`.compression`, :mod:`.mpi_ops` (Horovod's allreduce/allgather/barrier),
-:mod:`.sync_batch_norm`, :mod:`.process_group` (the ``torch.distributed`` backend
+:mod:`.sync_batch_norm`, :mod:`.sparse` (row-sparse push_pull), :mod:`.embedding` (layers
+whose table the servers keep), :mod:`.process_group` (the ``torch.distributed`` backend
 ``"bpstrain"``, registered on import); CUDA staging lives in :mod:`._cuda`.
 """
 
@@ -34,6 +35,8 @@ from bpstrain.torch.ops import (broadcast, broadcast_, broadcast_async, broadcas
                                 push_pull_inplace, rank, shutdown, size, synchronize)
 from bpstrain.torch.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce,
                                     allreduce_, allreduce_async, allreduce_async_, barrier, join)
+from bpstrain.embedding_table import EmbeddingTable
+from bpstrain.torch.embedding import ServerEmbedding, ServerEmbeddingBag
 from bpstrain.torch.optimizer import DistributedOptimizer
 from bpstrain.torch.sparse import sparse_push_pull
 from bpstrain.torch.sync_batch_norm import SyncBatchNorm
@@ -44,7 +47,8 @@ _process_group.register()
 __all__ = [
     "Adasum", "Average", "Max", "Min", "Product", "Sum", "SyncBatchNorm", "allgather",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "barrier", "join",
-    "Compression", "CrossBarrier", "DistributedOptimizer", "sparse_push_pull", "broadcast", "broadcast_", "broadcast_async",
+    "Compression", "CrossBarrier", "DistributedOptimizer", "EmbeddingTable", "ServerEmbedding",
+    "ServerEmbeddingBag", "sparse_push_pull", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
     "declare", "distributed", "init", "is_initialized", "local_rank", "local_size", "parallel",
     "poll", "push_pull", "push_pull_async", "push_pull_async_inplace", "push_pull_inplace",

@@ -131,6 +131,17 @@ def test_a_table_ten_times_a_workers_memory_cap_trains_on_the_servers():
     _assert_check(job, "check_a_table_ten_times_the_worker_memory_cap_trains", 2)
 
 
+EMBEDDING_GROUPS = ["torch_checks_embedding"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers,servers", [(2, 1), (3, 2)])
+@pytest.mark.parametrize("name", [name for name, _ in collect(EMBEDDING_GROUPS)])
+def test_server_embedding_layers_train_like_one_process(name, workers, servers):
+    job = run_job(workers, servers, EMBEDDING_GROUPS)
+    _assert_check(job, name, workers)
+
+
 @pytest.mark.timeout(30)
 def test_jobs_exit_cleanly():
     for workers, servers in ((2, 1), (3, 2)):

@@ -213,7 +213,8 @@ def check_distributed_optimizer_sends_sparse_embedding_gradients_as_rows():
 
 
 def check_embedding_table_on_the_servers_matches_a_single_process_reference():
-    from bpstrain._sparse import EmbeddingTable, initial_rows
+    from bpstrain._sparse import initial_rows
+    from bpstrain.embedding_table import EmbeddingTable
 
     r, n = bps.rank(), bps.size()
     rows_total, width, lr, steps = 3000, 4, 0.5, 4

@@ -7,7 +7,7 @@ import resource
 import numpy as np
 
 import bpstrain.torch as bps
-from bpstrain._sparse import EmbeddingTable
+from bpstrain.embedding_table import EmbeddingTable
 
 HEADROOM = 256 << 20
 

@@ -1,0 +1,115 @@
+"""Embedding layers whose table the parameter servers keep (sparse training's storage mode).
+
+    emb = bps.ServerEmbeddingBag(40_000_000, 64, name="user_emb", mode="sum",
+                                 optimizer="adagrad", lr=0.05)
+    out = emb(ids, offsets)        # pulls this batch's rows from the servers
+    loss.backward()                # pushes their gradients; the servers apply the optimizer
+
+The table is not a ``Parameter``: the local optimizer and ``DistributedOptimizer`` never
+see it, and a worker holds only the rows of its current batch. ``forward`` pulls the
+batch's unique rows (waiting first for the previous step's push, so it reads the updated
+rows); ``backward`` starts the push of their gradients, which overlaps the rest of the
+backward pass and the dense optimizer step. Both are collective, like the dense
+push_pulls: every rank calls the layer the same number of times (evaluation included).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bpstrain.embedding_table import EmbeddingTable
+
+
+class _ServerTableLayer(torch.nn.Module):
+    """The pull/push plumbing shared by :class:`ServerEmbedding` and :class:`ServerEmbeddingBag`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, name: str, optimizer: str, lr: float,
+                 init_scale: Optional[float], seed: int, eps: float, initial_accumulator_value: float):
+        super().__init__()
+        if lr < 0:
+            raise ValueError(f"lr must be >= 0. Received: {lr}")
+        if init_scale is None:  # DLRM's initialiser: uniform in +-sqrt(1/num_embeddings)
+            init_scale = math.sqrt(1.0 / num_embeddings)
+        self.table = EmbeddingTable(name, num_embeddings, embedding_dim, optimizer=optimizer,
+                                    init_scale=init_scale, seed=seed, eps=eps,
+                                    initial_accumulator=initial_accumulator_value)
+        self.num_embeddings, self.embedding_dim, self.lr = num_embeddings, embedding_dim, float(lr)
+        self._pushing: Optional[List[int]] = None  # the last backward's push, until waited for
+
+    def synchronize(self) -> None:
+        """Waits for the last backward's push (the next ``forward`` does it by itself)."""
+        pushing, self._pushing = self._pushing, None
+        self.table.wait(pushing or [])
+
+    def _rows(self, input: torch.Tensor):
+        """``(inverse, rows)``: ``input`` renumbered into the pulled unique rows."""
+        if input.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{type(self).__name__} expects integer ids. Received: {input.dtype}")
+        self.synchronize()
+        unique, inverse = torch.unique(input.detach().cpu(), sorted=True, return_inverse=True)
+        unique_np = self.table.check_ids(unique.numpy())
+        rows = torch.from_numpy(self.table.pull_unique(unique_np)).to(input.device)
+        if torch.is_grad_enabled() and self.training:
+            rows.requires_grad_(True)
+            rows.register_hook(lambda grad: self._push(unique_np, grad))
+        return inverse.to(input.device).view_as(input), rows
+
+    def _push(self, unique: np.ndarray, grad: torch.Tensor) -> None:
+        if self._pushing is not None:
+            raise RuntimeError(f"{type(self).__name__} {self.table.name!r}: a second backward before the next "
+                               "forward; each forward's rows are pushed once (call forward again first)")
+        self._pushing = self.table.push_async(unique, grad.detach().cpu().float().numpy(), self.lr)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, name={self.table.name!r}, "
+                f"optimizer={self.table.optimizer}, lr={self.lr}")
+
+
+class ServerEmbedding(_ServerTableLayer):
+    """``torch.nn.Embedding`` whose table lives on the parameter servers.
+
+    Args:
+        num_embeddings, embedding_dim: the table's shape.
+        name: the table's name, the same on every rank (one per layer).
+        optimizer: ``"sgd"`` or ``"adagrad"``, applied on the servers with ``lr``
+            (an attribute: change it between steps for a schedule).
+        init_scale: rows start uniform in ``[-init_scale, init_scale)`` (default
+            ``sqrt(1 / num_embeddings)``, DLRM's); 0 starts them at zeros.
+        seed: the initialiser's seed.
+        eps, initial_accumulator_value: Adagrad's.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, name: str, optimizer: str = "sgd",
+                 lr: float = 0.01, init_scale: Optional[float] = None, seed: int = 0, eps: float = 1e-10,
+                 initial_accumulator_value: float = 0.0):
+        super().__init__(num_embeddings, embedding_dim, name, optimizer, lr, init_scale, seed, eps,
+                         initial_accumulator_value)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        inverse, rows = self._rows(input)
+        return F.embedding(inverse, rows)
+
+
+class ServerEmbeddingBag(_ServerTableLayer):
+    """``torch.nn.EmbeddingBag`` (``mode`` sum, mean or max; ``offsets`` and
+    ``per_sample_weights`` as there) whose table lives on the parameter servers; the
+    other arguments as :class:`ServerEmbedding`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, name: str, mode: str = "mean",
+                 optimizer: str = "sgd", lr: float = 0.01, init_scale: Optional[float] = None, seed: int = 0,
+                 eps: float = 1e-10, initial_accumulator_value: float = 0.0):
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"mode must be 'sum', 'mean' or 'max'. Received: {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, name, optimizer, lr, init_scale, seed, eps,
+                         initial_accumulator_value)
+        self.mode = mode
+
+    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        inverse, rows = self._rows(input)
+        return F.embedding_bag(inverse, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights)

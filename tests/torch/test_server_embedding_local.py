@@ -1,0 +1,80 @@
+"""bpstrain.torch.ServerEmbedding(Bag) and EmbeddingTable in one process (no servers: the
+table lives in this process, lazily) and their error paths; the launched jobs are in
+test_torch_jobs.py (torch_checks_embedding.py)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bpstrain.torch as bps
+from bpstrain._sparse import initial_rows
+
+
+@pytest.fixture(autouse=True)
+def standalone(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("DMLC_")]:
+        monkeypatch.delenv(name)
+    bps.shutdown()
+    bps.init()
+    yield
+    bps.shutdown()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_a_single_process_table_trains_like_a_local_embedding_bag(optimizer):
+    rows, width, lr = 50, 3, 0.2
+    bag = bps.ServerEmbeddingBag(rows, width, name=f"local.{optimizer}", mode="sum", optimizer=optimizer,
+                                 lr=lr, init_scale=0.5, seed=4)
+    ref = torch.nn.Parameter(torch.from_numpy(initial_rows(np.arange(rows), width, 0.5, 4)))
+    opt = torch.optim.SGD([ref], lr=lr) if optimizer == "sgd" else torch.optim.Adagrad([ref], lr=lr, eps=1e-10)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        ids = torch.randint(0, rows, (12,), generator=g)
+        offsets = torch.tensor([0, 5, 9])
+        out = bag(ids, offsets)
+        want = F.embedding_bag(ids, ref, offsets, mode="sum")
+        torch.testing.assert_close(out, want.detach(), rtol=1e-6, atol=1e-6)
+        (out ** 2).sum().backward()
+        opt.zero_grad()
+        (want ** 2).sum().backward()
+        opt.step()
+    torch.testing.assert_close(torch.from_numpy(bag.table.pull(np.arange(rows))), ref.detach(),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(30)
+def test_an_untouched_table_takes_no_memory_and_evaluation_does_not_update():
+    emb = bps.ServerEmbedding(1 << 40, 64, name="local.huge", lr=1.0)  # 256 TiB if it were dense
+    ids = torch.tensor([[3, 1 << 39]])
+    before = emb(ids).detach().clone()
+    emb.eval()
+    with torch.no_grad():
+        assert torch.equal(emb(ids), before)
+    emb.train()
+    emb(ids).sum().backward()
+    assert torch.allclose(emb(ids), before - 1.0)
+
+
+@pytest.mark.timeout(30)
+def test_bad_arguments_and_ids_raise_clear_errors():
+    with pytest.raises(ValueError, match="mode must be"):
+        bps.ServerEmbeddingBag(10, 2, name="bad.mode", mode="median")
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        bps.ServerEmbedding(10, 2, name="bad.opt", optimizer="adamw")
+    with pytest.raises(ValueError, match="lr must be"):
+        bps.ServerEmbedding(10, 2, name="bad.lr", lr=-1.0)
+    emb = bps.ServerEmbedding(10, 2, name="bad.ids")
+    with pytest.raises(ValueError, match=r"row ids must be in \[0, 10\)"):
+        emb(torch.tensor([1, 10]))
+    with pytest.raises(TypeError, match="integer ids"):
+        emb(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"must be \(len\(ids\), 2\)"):
+        emb.table.push([1], np.zeros((1, 3), np.float32), lr=0.1)
+    out = emb(torch.tensor([1, 2]))
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="a second backward before the next forward"):
+        out.sum().backward()
