@@ -119,6 +119,7 @@ class _DistributedMixin:
     _bps_reducer: GradientReducer
     _bps_compression = None
     _bps_server = None  # ServerWeights under comm.consistency ssp/async
+    _bps_sparse_as_dense = False
 
     def apply(self, grads, trainable_variables=None):
         """Averages ``grads`` over all ranks, then applies them (every N-th call); under
@@ -151,6 +152,8 @@ class _DistributedMixin:
             for i, value in zip(present, reduced):
                 grads[i] = value
             return super().apply(grads, trainable_variables)
+        if compression is None and self._bps_reducer.passes == 1 and not self._bps_sparse_as_dense:
+            present, keys = self._bps_reduce_row_sparse(grads, present, keys)
         if compression is None:
             sent, contexts = [grads[i] for i in present], [None] * len(present)
         else:
@@ -172,6 +175,27 @@ class _DistributedMixin:
 
         keras.ops.cond(update, lambda: apply(grads, trainable_variables), skip)
         return None
+
+    def _bps_reduce_row_sparse(self, grads, present, keys):
+        """Sends the TensorFlow backend's IndexedSlices gradients (embedding lookups) as
+        rows (:func:`bpstrain.tensorflow.reduce_indexed_slices`), replacing them in
+        ``grads`` by IndexedSlices of the union; returns the positions and keys left for
+        the dense path."""
+        import keras
+
+        if keras.backend.backend() != "tensorflow":
+            return present, keys
+        import tensorflow as tf
+
+        from bpstrain.tensorflow._optim import reduce_indexed_slices
+
+        dense = []
+        for i, k in zip(present, keys):
+            if isinstance(grads[i], tf.IndexedSlices):
+                grads[i] = reduce_indexed_slices(grads[i], f"{self._bps_reducer.prefix}.{k}.rows")
+            else:
+                dense.append((i, k))
+        return [i for i, _ in dense], [k for _, k in dense]
 
     def _bps_apply_server_weights(self, grads, variables, keys):
         """Pushes the gradients, assigns the servers' weights, counts the iteration."""
@@ -305,7 +329,8 @@ def _reduce_in_tf_graph(grads, keys, reducer: GradientReducer):
 
 def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False,
-                         name: Optional[str] = None, compression=None):
+                         name: Optional[str] = None, compression=None,
+                         sparse_as_dense: bool = False):
     """Returns a copy of ``optimizer`` that averages gradients over all ranks.
 
     Example::
@@ -336,6 +361,11 @@ def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
             ``set_state()``, or a ``tf.train.Checkpoint`` of this optimizer). Not with
             ``backward_passes_per_step > 1`` (the local sum would be kept in the
             compressed dtype).
+        sparse_as_dense: With the TensorFlow backend, embedding gradients
+            (``tf.IndexedSlices``) travel as rows: only the rows some rank touched, back
+            as IndexedSlices of their union, averaged (``bpstrain._sparse``). True sends
+            them as dense tensors instead (Horovod's flag); a compression or
+            ``backward_passes_per_step > 1`` does so too.
 
     Under ``comm.consistency`` ``ssp:<s>`` or ``async`` (set before wrapping) the servers
     hold the variables, seeded from rank 0's at the first step, and apply SGD (momentum,
@@ -376,6 +406,7 @@ def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
     wrapped = cls.from_config(optimizer.get_config())
     wrapped._bps_reducer = reducer
     wrapped._bps_compression = compression
+    wrapped._bps_sparse_as_dense = bool(sparse_as_dense)
     from bpstrain import _server_weights
 
     if _server_weights.consistency() != "sync":

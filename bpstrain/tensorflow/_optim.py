@@ -164,18 +164,20 @@ def DistributedGradientTape(gradtape: tf.GradientTape, average: Optional[bool] =
 class _DistributedV1Optimizer(tf.compat.v1.train.Optimizer):
     """A tf.compat.v1.train.Optimizer whose compute_gradients averages over ranks."""
 
-    def __init__(self, optimizer, name: Optional[str], average: bool, compression):
+    def __init__(self, optimizer, name: Optional[str], average: bool, compression, sparse_as_dense: bool):
         self._optimizer = optimizer
         self._bps_prefix = name or f"Distributed{type(optimizer).__name__}"
         self._bps_average = average
         self._bps_compression = compression
+        self._bps_sparse_as_dense = sparse_as_dense
         super().__init__(name=self._bps_prefix, use_locking=False)
 
     def compute_gradients(self, *args, **kwargs):
         """Gradients of the wrapped optimizer, averaged over all ranks."""
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         grads = reduce_gradients([g for g, _ in pairs], [v for _, v in pairs],
-                                 self._bps_prefix, self._bps_average, self._bps_compression)
+                                 self._bps_prefix, self._bps_average, self._bps_compression,
+                                 self._bps_sparse_as_dense)
         return list(zip(grads, [v for _, v in pairs]))
 
     def apply_gradients(self, *args, **kwargs):
@@ -213,8 +215,11 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, average: Optiona
         compression: A cast (``Compression.fp16``/``bf16``) or a stateful codec
             (``Compression.topk(0.01)`` etc.; see :mod:`bpstrain.tensorflow.compression`).
         op: ``Average`` (default) or ``Sum`` (v1 optimizers only), as in Horovod.
-        device_dense, device_sparse, sparse_as_dense: Accepted for Horovod/BytePS
-            compatibility and ignored (host memory; IndexedSlices are sent dense).
+        device_dense, device_sparse: Accepted for Horovod/BytePS compatibility and
+            ignored (gradients travel through host memory).
+        sparse_as_dense: ``IndexedSlices`` gradients (embedding lookups) travel as rows
+            (only the rows some rank touched) unless this is True or a compression is
+            given; then they are sent dense.
 
     Raises:
         ValueError: ``optimizer`` is neither kind, or options do not apply to it.
@@ -234,12 +239,12 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, average: Optiona
                                  backward_passes_per_step=backward_passes_per_step,
                                  average_aggregated_gradients=average_aggregated_gradients,
                                  compression=None if compression is Compression.none
-                                 else compression)
+                                 else compression, sparse_as_dense=sparse_as_dense)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if backward_passes_per_step != 1 or average_aggregated_gradients:
             raise ValueError("backward_passes_per_step applies to Keras optimizers only. "
                              f"Received: backward_passes_per_step={backward_passes_per_step} "
                              f"with {type(optimizer).__name__}")
-        return _DistributedV1Optimizer(optimizer, name, average, compression)
+        return _DistributedV1Optimizer(optimizer, name, average, compression, sparse_as_dense)
     raise ValueError("DistributedOptimizer wraps a keras.optimizers.Optimizer or a "
                      f"tf.compat.v1.train.Optimizer. Received: {type(optimizer).__name__}")

@@ -308,6 +308,49 @@ def check_keras_compression(r, n):
                                       err_msg=f"compression={compression}")
 
 
+def check_keras_sparse_embedding(r, n):
+    """With the TensorFlow backend an Embedding's gradient (IndexedSlices) travels as rows
+    (bpstrain._sparse.sparse_push_pull, counted here), in model.fit's tf.function and
+    eagerly; every rank ends with the same table, equal to the dense average's step, and
+    rows nobody touched stay zero. sparse_as_dense=True (and the torch backend, whose
+    gradients are dense) keep the dense path."""
+    from bpstrain import _sparse
+
+    calls = []
+    original = _sparse.sparse_push_pull
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("name", args[2] if len(args) > 2 else None))
+        return original(*args, **kwargs)
+
+    _sparse.sparse_push_pull = counting
+    try:
+        for sparse_as_dense, run_eagerly in ((False, False), (False, True), (True, False)):
+            calls.clear()
+            model = keras.Sequential([
+                keras.Input((3,), dtype="int32"),
+                keras.layers.Embedding(50, 4, embeddings_initializer="zeros"),
+                keras.layers.Flatten(),
+                keras.layers.Dense(1, kernel_initializer="ones", use_bias=False),
+            ])
+            opt = bps.DistributedOptimizer(keras.optimizers.SGD(0.5), sparse_as_dense=sparse_as_dense,
+                                           name=f"emb.{sparse_as_dense}.{run_eagerly}")
+            model.compile(optimizer=opt, loss="mse", run_eagerly=run_eagerly)
+            ids_of = [np.random.default_rng(77 + k).integers(0, 40, (8, 3)).astype("int32") for k in range(n)]
+            model.fit(ids_of[r], np.ones((8, 1), "float32"), batch_size=8, epochs=1, verbose=0, shuffle=False)
+            table = keras.ops.convert_to_numpy(model.layers[0].embeddings)
+            same_as_rank0([table], f"emb.{sparse_as_dense}.{run_eagerly}")
+            # every prediction starts at 0: d(mse)/d(pred) = -2/8 per sample, so each use of a
+            # row adds -0.25 to each of its entries; SGD(0.5) on the average over ranks.
+            counts = np.bincount(np.concatenate([i.reshape(-1) for i in ids_of]), minlength=50)
+            expected = np.repeat((0.5 * 0.25 * counts / n)[:, None], 4, axis=1).astype("float32")
+            np.testing.assert_allclose(table, expected, rtol=1e-6, err_msg=f"{sparse_as_dense} {run_eagerly}")
+            as_rows = BACKEND == "tensorflow" and not sparse_as_dense
+            assert bool(calls) == as_rows, (sparse_as_dense, run_eagerly, calls)
+    finally:
+        _sparse.sparse_push_pull = original
+
+
 CHECKS = [
     ("helpers", check_helpers),
     ("bytepscallback_fit", check_bytepscallback),
@@ -321,6 +364,7 @@ CHECKS = [
     ("lazy_model_broadcast", check_lazy_model_broadcast),
     ("tensorflow_keras_module", check_tensorflow_keras_module),
     ("keras_compression", check_keras_compression),
+    ("keras_sparse_embedding", check_keras_sparse_embedding),
 ]
 
 

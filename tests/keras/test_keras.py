@@ -17,7 +17,8 @@ from launched_job import assert_check, launch  # noqa: E402
 BACKENDS = ["tensorflow", "torch"]
 CHECKS = ["helpers", "bytepscallback_fit", "separate_callbacks_fit", "aggregation_sum",
           "aggregation_average", "aggregation_run_eagerly", "misuse", "xla_switched_off",
-          "lazy_model_broadcast", "tensorflow_keras_module", "keras_compression"]
+          "lazy_model_broadcast", "tensorflow_keras_module", "keras_compression",
+          "keras_sparse_embedding"]
 WORKERS = 2
 _jobs = {}
 

@@ -60,8 +60,10 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: st
     Args:
         optimizer: A Keras 3 optimizer, not built yet.
         name: Prefix of the engine names (see bpstrain.keras).
-        device_dense, device_sparse, sparse_as_dense: Accepted and ignored
-            (gradients travel through host memory, IndexedSlices dense).
+        device_dense, device_sparse: Accepted and ignored (gradients travel through
+            host memory).
+        sparse_as_dense: Embedding gradients (``IndexedSlices``) travel as rows
+            unless True (see bpstrain.keras).
         compression: ``Compression.none``, ``fp16``, ``bf16`` or a stateful codec
             (``Compression.onebit()``, ``topk(r)``, ... of bpstrain.tensorflow).
         gradient_predivide_factor: Only 1.0 (no split of the averaging).
@@ -80,7 +82,7 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: st
         raise ValueError("DistributedOptimizer wraps a keras.optimizers.Optimizer. "
                          f"Received: {type(optimizer).__name__}")
     return _tf_distributed_optimizer(
-        optimizer, name=name, op=op, compression=compression,
+        optimizer, name=name, op=op, compression=compression, sparse_as_dense=sparse_as_dense,
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients)
 
