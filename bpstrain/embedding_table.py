@@ -13,14 +13,15 @@ The framework layers build on this: ``bpstrain.torch.ServerEmbedding`` /
 
 from __future__ import annotations
 
-from typing import List
+import math
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from bpstrain import engine
 from bpstrain._sparse import _enqueue_shard, _num_shards, combine_duplicates, encode, initial_rows
 
-OPTIMIZERS = ("sgd", "adagrad")
+OPTIMIZERS = ("sgd", "adagrad", "adam")
 _ROWS_PULL, _ROWS_PUSH = 4, 5  # the push meta's ParamOp (core_ext/src/protocol.h)
 
 
@@ -42,26 +43,33 @@ class EmbeddingTable:
     Args:
         name: the table's name, the same on every rank.
         num_rows, width: the table's shape (ids are checked against ``num_rows``).
-        optimizer: ``"sgd"`` or ``"adagrad"``.
+        optimizer: ``"sgd"``, ``"adagrad"`` or ``"adam"``.
         init_scale: ``a`` of the uniform initialiser; 0 starts every row at zeros.
         seed: the initialiser's seed.
-        eps, initial_accumulator: Adagrad's ``eps`` and ``initial_accumulator_value``.
+        eps: Adagrad's or Adam's (default 1e-10 for Adagrad, 1e-8 for Adam, as torch).
+        initial_accumulator: Adagrad's ``initial_accumulator_value``.
+        betas: Adam's ``(beta1, beta2)``.
     """
 
     def __init__(self, name: str, num_rows: int, width: int, optimizer: str = "sgd",
-                 init_scale: float = 0.0, seed: int = 0, eps: float = 1e-10,
-                 initial_accumulator: float = 0.0):
+                 init_scale: float = 0.0, seed: int = 0, eps: Optional[float] = None,
+                 initial_accumulator: float = 0.0, betas: Tuple[float, float] = (0.9, 0.999)):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}. Received: {optimizer!r}")
-        if num_rows < 1 or width < 1 or init_scale < 0 or eps <= 0 or initial_accumulator < 0:
-            raise ValueError("num_rows and width must be >= 1, init_scale and initial_accumulator >= 0 and "
-                             f"eps > 0. Received: {num_rows}, {width}, {init_scale}, {initial_accumulator}, {eps}")
+        if eps is None:
+            eps = 1e-8 if optimizer == "adam" else 1e-10
+        betas = tuple(float(b) for b in betas)
+        if (num_rows < 1 or width < 1 or init_scale < 0 or eps <= 0 or initial_accumulator < 0
+                or len(betas) != 2 or not all(0 <= b < 1 for b in betas)):
+            raise ValueError("num_rows and width must be >= 1, init_scale and initial_accumulator >= 0, "
+                             f"eps > 0 and betas two numbers in [0, 1). Received: {num_rows}, {width}, "
+                             f"{init_scale}, {initial_accumulator}, {eps}, {betas}")
         self.name, self.num_rows, self.width = name, int(num_rows), int(width)
         self.optimizer, self.init_scale, self.seed = optimizer, float(init_scale), int(seed)
-        self.eps, self.initial_accumulator = float(eps), float(initial_accumulator)
+        self.eps, self.initial_accumulator, self.betas = float(eps), float(initial_accumulator), betas
         init = f"uniform:{self.init_scale!r}" if self.init_scale > 0 else "zeros"
         self.spec = (f"init={init} seed={self.seed} optimizer={optimizer} eps={self.eps!r} "
-                     f"initial_accumulator={self.initial_accumulator!r}")
+                     f"initial_accumulator={self.initial_accumulator!r} beta1={betas[0]!r} beta2={betas[1]!r}")
         self._local_rows = None
 
     @property
@@ -141,7 +149,10 @@ class _LocalRows:
         self.known = np.empty(0, np.int64)  # touched ids, ascending
         self.slot_of = np.empty(0, np.int64)  # their rows' places in self.rows
         self.rows = np.empty((0, table.width), np.float32)
-        self.accum = self.rows.copy() if table.optimizer == "adagrad" else None
+        # Adagrad's accumulators, or Adam's first moments (second moments in accum2)
+        self.accum = self.rows.copy() if table.optimizer != "sgd" else None
+        self.accum2 = self.rows.copy() if table.optimizer == "adam" else None
+        self.steps = 0
 
     def _slots(self, ids: np.ndarray) -> np.ndarray:
         """The places of ``ids`` (unique) in ``self.rows``, creating the new ones."""
@@ -156,7 +167,10 @@ class _LocalRows:
                         else np.zeros((fresh.size, t.width), np.float32))
             self.rows = np.concatenate([self.rows, new_rows])
             if self.accum is not None:
-                self.accum = np.concatenate([self.accum, np.full_like(new_rows, t.initial_accumulator)])
+                start_value = t.initial_accumulator if t.optimizer == "adagrad" else 0.0
+                self.accum = np.concatenate([self.accum, np.full_like(new_rows, start_value)])
+            if self.accum2 is not None:
+                self.accum2 = np.concatenate([self.accum2, np.zeros_like(new_rows)])
             at = np.searchsorted(self.known, fresh)
             self.known = np.insert(self.known, at, fresh)
             self.slot_of = np.insert(self.slot_of, at, np.arange(start, start + fresh.size))
@@ -168,10 +182,20 @@ class _LocalRows:
         return self.rows[slots]
 
     def apply(self, ids: np.ndarray, grads: np.ndarray, lr: float) -> None:
+        self.steps += 1
         slots = self._slots(ids)
-        lr = np.float32(lr)
-        if self.accum is None:
-            self.rows[slots] -= lr * grads
-            return
-        self.accum[slots] += grads * grads
-        self.rows[slots] -= lr * grads / (np.sqrt(self.accum[slots]) + np.float32(self.table.eps))
+        t = self.table
+        if t.optimizer == "sgd":
+            self.rows[slots] -= np.float32(lr) * grads
+        elif t.optimizer == "adagrad":
+            self.accum[slots] += grads * grads
+            self.rows[slots] -= np.float32(lr) * grads / (np.sqrt(self.accum[slots]) + np.float32(t.eps))
+        else:  # torch.optim.SparseAdam's operations (row_table.cc)
+            beta1, beta2 = t.betas
+            m, v = self.accum[slots], self.accum2[slots]
+            dm = (grads - m) * np.float32(1 - beta1)
+            dv = (grads * grads - v) * np.float32(1 - beta2)
+            numer, denom = dm + m, np.sqrt(dv + v) + np.float32(t.eps)
+            self.accum[slots], self.accum2[slots] = m + dm, v + dv
+            step = lr * math.sqrt(1 - beta2 ** self.steps) / (1 - beta1 ** self.steps)
+            self.rows[slots] += np.float32(-step) * (numer / denom)

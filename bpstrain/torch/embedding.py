@@ -16,7 +16,7 @@ push_pulls: every rank calls the layer the same number of times (evaluation incl
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -29,7 +29,8 @@ class _ServerTableLayer(torch.nn.Module):
     """The pull/push plumbing shared by :class:`ServerEmbedding` and :class:`ServerEmbeddingBag`."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, name: str, optimizer: str, lr: float,
-                 init_scale: Optional[float], seed: int, eps: float, initial_accumulator_value: float):
+                 init_scale: Optional[float], seed: int, eps: Optional[float], initial_accumulator_value: float,
+                 betas: Tuple[float, float]):
         super().__init__()
         if lr < 0:
             raise ValueError(f"lr must be >= 0. Received: {lr}")
@@ -37,7 +38,7 @@ class _ServerTableLayer(torch.nn.Module):
             init_scale = math.sqrt(1.0 / num_embeddings)
         self.table = EmbeddingTable(name, num_embeddings, embedding_dim, optimizer=optimizer,
                                     init_scale=init_scale, seed=seed, eps=eps,
-                                    initial_accumulator=initial_accumulator_value)
+                                    initial_accumulator=initial_accumulator_value, betas=betas)
         self.num_embeddings, self.embedding_dim, self.lr = num_embeddings, embedding_dim, float(lr)
         self._pushing: Optional[List[int]] = None  # the last backward's push, until waited for
 
@@ -76,19 +77,22 @@ class ServerEmbedding(_ServerTableLayer):
     Args:
         num_embeddings, embedding_dim: the table's shape.
         name: the table's name, the same on every rank (one per layer).
-        optimizer: ``"sgd"`` or ``"adagrad"``, applied on the servers with ``lr``
-            (an attribute: change it between steps for a schedule).
+        optimizer: ``"sgd"``, ``"adagrad"`` or ``"adam"`` (``torch.optim.SparseAdam``'s
+            rule), applied on the servers with ``lr`` (an attribute: change it between
+            steps for a schedule).
         init_scale: rows start uniform in ``[-init_scale, init_scale)`` (default
             ``sqrt(1 / num_embeddings)``, DLRM's); 0 starts them at zeros.
         seed: the initialiser's seed.
-        eps, initial_accumulator_value: Adagrad's.
+        eps: Adagrad's or Adam's (torch's defaults, 1e-10 and 1e-8).
+        initial_accumulator_value: Adagrad's.
+        betas: Adam's.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, name: str, optimizer: str = "sgd",
-                 lr: float = 0.01, init_scale: Optional[float] = None, seed: int = 0, eps: float = 1e-10,
-                 initial_accumulator_value: float = 0.0):
+                 lr: float = 0.01, init_scale: Optional[float] = None, seed: int = 0, eps: Optional[float] = None,
+                 initial_accumulator_value: float = 0.0, betas: Tuple[float, float] = (0.9, 0.999)):
         super().__init__(num_embeddings, embedding_dim, name, optimizer, lr, init_scale, seed, eps,
-                         initial_accumulator_value)
+                         initial_accumulator_value, betas)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         inverse, rows = self._rows(input)
@@ -102,11 +106,12 @@ class ServerEmbeddingBag(_ServerTableLayer):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, name: str, mode: str = "mean",
                  optimizer: str = "sgd", lr: float = 0.01, init_scale: Optional[float] = None, seed: int = 0,
-                 eps: float = 1e-10, initial_accumulator_value: float = 0.0):
+                 eps: Optional[float] = None, initial_accumulator_value: float = 0.0,
+                 betas: Tuple[float, float] = (0.9, 0.999)):
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max'. Received: {mode!r}")
         super().__init__(num_embeddings, embedding_dim, name, optimizer, lr, init_scale, seed, eps,
-                         initial_accumulator_value)
+                         initial_accumulator_value, betas)
         self.mode = mode
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,

@@ -650,11 +650,11 @@ void Server::ProcessSparse(EngineThread* et, Task& t) {
   if (sr.table && sr.error.empty()) {
     // Storage mode: the average of every worker's gradient, one optimizer step per row.
     RowTable* table = TableFor(et, p, &sr.error);
-    if (table && body) {
-      const uint64_t count = body->size() / SparseRowBytes(sr.width);
-      const int64_t* ids = reinterpret_cast<const int64_t*>(body->data());
-      float* grads = reinterpret_cast<float*>(body->data() + count * 8);
-      DivideInPlace(DType::kFloat32, grads, count * sr.width, sr.expected);
+    if (table) {  // also when no rank sent rows to this shard: the step still counts (Adam)
+      const uint64_t count = body ? body->size() / SparseRowBytes(sr.width) : 0;
+      const int64_t* ids = body ? reinterpret_cast<const int64_t*>(body->data()) : nullptr;
+      float* grads = body ? reinterpret_cast<float*>(body->data() + count * 8) : nullptr;
+      if (count) DivideInPlace(DType::kFloat32, grads, count * sr.width, sr.expected);
       table->Apply(ids, count, grads, sr.lr);
     }
     body.reset();  // the answer is an acknowledgement

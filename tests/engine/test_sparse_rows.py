@@ -105,3 +105,19 @@ def test_bad_sparse_pushes_fail_clearly():
         _sparse.decode(np.array([3, 1], np.int64).tobytes() + bytes(8 * WIDTH), WIDTH, ROWS)
     with pytest.raises(ValueError, match="rows must be"):
         _sparse.combine_duplicates([1, 2], np.ones((3, WIDTH)))
+
+
+def test_table_specs_are_checked_before_they_travel():
+    """The worker refuses a bad table spec at enqueue (the servers check it again)."""
+    with InProcessCluster(1, 1) as c:
+        (w,) = c.workers
+        ids = np.array([1, 2], np.int64).view(np.uint8)
+        for spec, why in (("init=zeros seed=0 optimizer=adam beta1=1.5", "beta1=<b>"),
+                          ("init=zeros seed=0 optimizer=rmsprop", "optimizer=sgd|adagrad|adam"),
+                          ("init=zeros seed=0 optimizer=adam beta2=-0.1", "0 <= b < 1")):
+            with pytest.raises(ConfigError, match=why):
+                w.enqueue_sparse("spec.table0", WIDTH, ids, 0, param=4, table=spec)
+        ok = w.enqueue_sparse("spec.table0", WIDTH, ids, 0, param=4,
+                              table="init=zeros seed=0 optimizer=adam eps=1e-08 beta1=0.8 beta2=0.99")
+        wait(w, ok)
+        assert np.frombuffer(w.take_sparse_result(ok), np.float32).size == 2 * WIDTH

@@ -24,19 +24,21 @@ def standalone(monkeypatch):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 def test_a_single_process_table_trains_like_a_local_embedding_bag(optimizer):
     rows, width, lr = 50, 3, 0.2
     bag = bps.ServerEmbeddingBag(rows, width, name=f"local.{optimizer}", mode="sum", optimizer=optimizer,
                                  lr=lr, init_scale=0.5, seed=4)
     ref = torch.nn.Parameter(torch.from_numpy(initial_rows(np.arange(rows), width, 0.5, 4)))
-    opt = torch.optim.SGD([ref], lr=lr) if optimizer == "sgd" else torch.optim.Adagrad([ref], lr=lr, eps=1e-10)
+    opt = {"sgd": lambda: torch.optim.SGD([ref], lr=lr),
+           "adagrad": lambda: torch.optim.Adagrad([ref], lr=lr, eps=1e-10),
+           "adam": lambda: torch.optim.SparseAdam([ref], lr=lr)}[optimizer]()
     g = torch.Generator().manual_seed(0)
     for _ in range(5):
         ids = torch.randint(0, rows, (12,), generator=g)
         offsets = torch.tensor([0, 5, 9])
         out = bag(ids, offsets)
-        want = F.embedding_bag(ids, ref, offsets, mode="sum")
+        want = F.embedding_bag(ids, ref, offsets, mode="sum", sparse=optimizer == "adam")
         torch.testing.assert_close(out, want.detach(), rtol=1e-6, atol=1e-6)
         (out ** 2).sum().backward()
         opt.zero_grad()
@@ -65,6 +67,8 @@ def test_bad_arguments_and_ids_raise_clear_errors():
         bps.ServerEmbeddingBag(10, 2, name="bad.mode", mode="median")
     with pytest.raises(ValueError, match="optimizer must be one of"):
         bps.ServerEmbedding(10, 2, name="bad.opt", optimizer="adamw")
+    with pytest.raises(ValueError, match=r"betas two numbers in \[0, 1\)"):
+        bps.ServerEmbedding(10, 2, name="bad.betas", optimizer="adam", betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="lr must be"):
         bps.ServerEmbedding(10, 2, name="bad.lr", lr=-1.0)
     emb = bps.ServerEmbedding(10, 2, name="bad.ids")

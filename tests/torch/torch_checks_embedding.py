@@ -25,8 +25,9 @@ def _train_against_reference(layer, optimizer, lookup):
     returns the largest difference seen."""
     r, n = bps.rank(), bps.size()
     ref = torch.nn.Parameter(torch.from_numpy(initial_rows(np.arange(ROWS), WIDTH, SCALE, SEED)))
-    ref_opt = (torch.optim.SGD([ref], lr=LR) if optimizer == "sgd"
-               else torch.optim.Adagrad([ref], lr=LR, eps=1e-10))
+    ref_opt = {"sgd": lambda: torch.optim.SGD([ref], lr=LR),
+               "adagrad": lambda: torch.optim.Adagrad([ref], lr=LR, eps=1e-10),
+               "adam": lambda: torch.optim.SparseAdam([ref], lr=LR)}[optimizer]()
     worst = 0.0
     for step in range(STEPS):
         ids, offsets, coef = _batch(r, step)
@@ -52,16 +53,27 @@ def _train_against_reference(layer, optimizer, lookup):
     return worst
 
 
+def _bag_lookup(mode, sparse=False):
+    def lookup(layer, ids, offsets):
+        if isinstance(layer, torch.Tensor):  # the reference
+            return F.embedding_bag(ids, layer, offsets, mode=mode, sparse=sparse)
+        return layer(ids, offsets)
+
+    return lookup
+
+
 def check_server_embedding_bag_with_sgd_trains_like_one_process():
     bag = bps.ServerEmbeddingBag(ROWS, WIDTH, name="check.emb.bag", mode="mean", lr=LR, init_scale=SCALE,
                                  seed=SEED)
+    return _train_against_reference(bag, "sgd", _bag_lookup("mean"))
 
-    def lookup(layer, ids, offsets):
-        if isinstance(layer, torch.Tensor):
-            return F.embedding_bag(ids, layer, offsets, mode="mean")
-        return layer(ids, offsets)
 
-    return _train_against_reference(bag, "sgd", lookup)
+def check_server_embedding_bag_with_adam_trains_like_sparse_adam():
+    """Adam on the servers against torch.optim.SparseAdam on the averaged sparse gradient:
+    moments of the touched rows only, bias correction by the table's step count."""
+    bag = bps.ServerEmbeddingBag(ROWS, WIDTH, name="check.emb.adam", mode="sum", optimizer="adam", lr=LR,
+                                 init_scale=SCALE, seed=SEED)
+    return _train_against_reference(bag, "adam", _bag_lookup("sum", sparse=True))
 
 
 def check_server_embedding_with_adagrad_trains_like_one_process():
@@ -75,3 +87,22 @@ def check_server_embedding_with_adagrad_trains_like_one_process():
         return layer(ids).sum(1)
 
     return _train_against_reference(emb, "adagrad", lookup)
+
+
+def check_adam_counts_every_step_also_on_shards_without_rows():
+    """Step 1 touches only even ids, step 2 only odd ones: with two servers one shard gets
+    no rows at step 1, and its bias correction must still be that of step 2."""
+    from bpstrain.embedding_table import EmbeddingTable
+
+    r, n = bps.rank(), bps.size()
+    table = EmbeddingTable("check.emb.adam.shards", 20, 2, optimizer="adam", init_scale=0.5, seed=5)
+    ref = torch.nn.Parameter(torch.from_numpy(initial_rows(np.arange(20), 2, 0.5, 5)))
+    opt = torch.optim.SparseAdam([ref], lr=0.1)
+    for ids in (np.array([0, 2, 4]), np.array([1, 3, 5])):
+        grads = np.full((3, 2), r + 1.0, np.float32)
+        table.push(ids, grads, lr=0.1)
+        total = sum(np.full((3, 2), k + 1.0, np.float32) for k in range(n)) * np.float32(1.0 / n)
+        ref.grad = torch.sparse_coo_tensor(torch.from_numpy(ids)[None], torch.from_numpy(total), (20, 2))
+        opt.step()
+    got = table.pull(np.arange(6))
+    torch.testing.assert_close(torch.from_numpy(got), ref.detach()[:6], rtol=1e-6, atol=1e-7)
