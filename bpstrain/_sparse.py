@@ -88,8 +88,9 @@ def start(ids, rows, name: str, num_rows: int, average: bool = True, priority: i
     handles = []
     if engine.env().distributed:
         shards = _num_shards()
+        shard_of = ids % shards
         for s in range(shards):
-            mine = (ids % shards) == s
+            mine = shard_of == s
             handles.append(_enqueue_shard(f"{name}.rows{s}", width, encode(ids[mine], rows[mine]), priority))
     return Pending(ids, rows, width, num_rows, average, handles)
 

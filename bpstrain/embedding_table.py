@@ -98,10 +98,11 @@ class EmbeddingTable:
         if self._local is not None:
             return self._local.read(unique)
         shards = _num_shards()
+        shard_of = unique % shards
         rows = np.empty((unique.size, self.width), np.float32)
         started = []
         for s in range(shards):
-            mine = np.nonzero(unique % shards == s)[0]
+            mine = np.nonzero(shard_of == s)[0]
             body = np.ascontiguousarray(unique[mine]).view(np.uint8)
             started.append((mine, _enqueue_shard(f"{self.name}.table{s}", self.width, body, param=_ROWS_PULL,
                                                  table=self.spec)))
@@ -128,9 +129,13 @@ class EmbeddingTable:
             self._local.apply(ids, grads, lr)
             return []
         shards = _num_shards()
-        return [_enqueue_shard(f"{self.name}.table{s}", self.width, encode(ids[ids % shards == s],
-                                                                           grads[ids % shards == s]),
-                               param=_ROWS_PUSH, lr=float(lr), table=self.spec) for s in range(shards)]
+        shard_of = ids % shards
+        handles = []
+        for s in range(shards):
+            mine = shard_of == s
+            handles.append(_enqueue_shard(f"{self.name}.table{s}", self.width, encode(ids[mine], grads[mine]),
+                                          param=_ROWS_PUSH, lr=float(lr), table=self.spec))
+        return handles
 
     @staticmethod
     def wait(handles: List[int]) -> None:

@@ -6,6 +6,9 @@ with SGD for ``--steps`` timed steps after ``--warmup``:
 * ``bpstrain-sparse``: ``sparse=True`` embedding, ``bpstrain.torch.DistributedOptimizer``
   (the embedding's rows go through the row-sparse push_pull);
 * ``bpstrain-dense``: ``sparse=False``: the whole table's gradient is push_pulled;
+* ``bpstrain-table``: the table kept by the servers (``bpstrain.torch.ServerEmbeddingBag``,
+  sparse SGD applied there; each worker pulls its batch's rows and pushes their gradients),
+  the head through ``DistributedOptimizer``;
 * ``ddp``: ``sparse=True`` under torch DDP over gloo (sparse all-reduce by all-gather).
 
 Prints one ``BENCH_RESULT`` line: ``times`` (seconds per timed step), ``rx``/``tx`` (bytes
@@ -36,7 +39,12 @@ def make_model(args, sparse: bool):
     class Dlrm(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.emb = torch.nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=sparse)
+            if args.system == "bpstrain-table":
+                import bpstrain.torch as bps
+
+                self.emb = bps.ServerEmbeddingBag(args.rows, args.dim, name="dlrm.emb", mode="sum", lr=args.lr)
+            else:
+                self.emb = torch.nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=sparse)
             self.head = torch.nn.Linear(args.dim, 1)
 
         def forward(self, ids, offsets):
@@ -89,20 +97,23 @@ def run(args) -> tuple[int, int, dict]:
         F.binary_cross_entropy_with_logits(net(ids, offsets), y).backward()
         optimizer.step()
 
-    times, own, union = [], [], []
+    times, union = [], []
     rx0 = tx0 = 0
-    for step in range(args.warmup + args.steps):
-        ids, offsets, y = batch(args, rank, step)
+    # Made before the clock starts: drawing Zipf ids takes CPU the other ranks' timed steps
+    # (on the same cores) would pay for.
+    batches = [batch(args, rank, step) for step in range(args.warmup + args.steps)]
+    for step, (ids, offsets, y) in enumerate(batches):
         if step == args.warmup:
             rx0, tx0 = link_counters(args.ifname)
         start = time.perf_counter()
         step_fn(ids, offsets, y)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-            own.append(int(np.unique(ids.numpy()).size))
-            grad = model.emb.weight.grad
+            grad = getattr(model.emb, "weight", None)
+            grad = None if grad is None else grad.grad
             union.append(int(grad._nnz()) if grad is not None and grad.is_sparse else 0)
     rx1, tx1 = link_counters(args.ifname)
+    own = [int(np.unique(ids.numpy()).size) for ids, _, _ in batches[args.warmup:]]
     result = {"times": times, "rx": rx1 - rx0, "tx": tx1 - tx0, "own_rows": own, "union_rows": union}
     if args.system == "ddp":
         import torch.distributed as dist
@@ -113,6 +124,8 @@ def run(args) -> tuple[int, int, dict]:
         import bpstrain.torch as bps
         from bpstrain import engine
 
+        if args.system == "bpstrain-table":
+            model.emb.synchronize()
         engine.barrier()
         bps.shutdown()
     return rank, size, result
@@ -121,7 +134,8 @@ def run(args) -> tuple[int, int, dict]:
 def main(argv=None) -> int:
     """Command-line entry point; see the module docstring."""
     p = argparse.ArgumentParser(prog="python -m bpstrain.bench._sparse_worker")
-    p.add_argument("--system", choices=("bpstrain-sparse", "bpstrain-dense", "ddp"), required=True)
+    p.add_argument("--system", choices=("bpstrain-sparse", "bpstrain-table", "bpstrain-dense", "ddp"),
+                   required=True)
     p.add_argument("--rows", type=int, default=4_000_000)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1024)
