@@ -38,6 +38,31 @@ _STATE_KEY = "bpstrain_compression"  # the compressors' entry in state_dict()
 _instances = itertools.count()
 
 
+
+def parameter_names(params, named_parameters) -> dict:
+    """``{id(parameter): name}`` for an optimizer's ``params``, from ``named_parameters``
+    (``model.named_parameters()``: checked to be (name, parameter) pairs with unique
+    names that cover every parameter) or, when None, ``noname.<index>``."""
+    if named_parameters is None:
+        return {id(p): f"noname.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                         "tuples, usually model.named_parameters(). Received: "
+                         f"{[type(item).__name__ for item in named[:3]]}")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. "
+                         f"Received duplicates: {', '.join(dups)}")
+    by_id = {id(p): n for n, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if missing:
+        raise ValueError("named_parameters was given but does not name every parameter "
+                         "of the optimizer. Received: unnamed parameter indices "
+                         f"{missing[:10]}")
+    return by_id
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the wrapped optimizer's class."""
 
@@ -50,26 +75,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("backward_passes_per_step must be >= 1. Received: "
                              f"backward_passes_per_step={backward_passes_per_step}")
         all_params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            named = list(named_parameters)
-            if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
-                raise ValueError("named_parameters should be a sequence of (name, parameter) "
-                                 "tuples, usually model.named_parameters(). Received: "
-                                 f"{[type(item).__name__ for item in named[:3]]}")
-            names = [n for n, _ in named]
-            dups = sorted({n for n in names if names.count(n) > 1})
-            if dups:
-                raise ValueError("Parameter names in named_parameters must be unique. "
-                                 f"Received duplicates: {', '.join(dups)}")
-            known = {id(p) for _, p in named}
-            missing = [i for i, p in enumerate(all_params) if id(p) not in known]
-            if missing:
-                raise ValueError("named_parameters was given but does not name every parameter "
-                                 "of the optimizer. Received: unnamed parameter indices "
-                                 f"{missing[:10]}")
-            by_id = {id(p): n for n, p in named}
-        else:
-            by_id = {id(p): f"noname.{i}" for i, p in enumerate(all_params)}
+        by_id = parameter_names(all_params, named_parameters)
         # The instance number keeps two optimizers with equal parameter names apart.
         prefix = f"DistributedOptimizer.{next(_instances)}.grad."
         self._bps_names = {id(p): prefix + by_id[id(p)] for p in all_params}

@@ -33,6 +33,7 @@ import torch
 
 from bpstrain import engine
 from bpstrain.engine import Op
+from bpstrain.torch.optimizer import parameter_names
 
 _instances = itertools.count()
 
@@ -81,12 +82,7 @@ class _ServerOptimizer(torch.optim.Optimizer):
             raise ValueError("comm.consistency ssp/async averages gradients on the servers; op=Sum "
                              "is sync-only")
         params = [p for group in self.param_groups for p in group["params"]]
-        by_id = ({id(p): n for n, p in named_parameters} if named_parameters is not None
-                 else {id(p): f"noname.{i}" for i, p in enumerate(params)})
-        missing = [i for i, p in enumerate(params) if id(p) not in by_id]
-        if missing:
-            raise ValueError("named_parameters was given but does not name every parameter of the "
-                             f"optimizer. Received: unnamed parameter indices {missing[:10]}")
+        by_id = parameter_names(params, named_parameters)
         prefix = f"ServerOptimizer.{next(_instances)}.param."
         self._bps_names = {id(p): prefix + by_id[id(p)] for p in params}
         self._bps_priority = {id(p): -i for i, p in enumerate(params)}

@@ -251,7 +251,7 @@ int64_t Worker::Enqueue(const OpRequest& req) {
     throw Error(Error::kConfig, "comm.aggregate k:" + std::to_string(opts_.aggregate) +
                                     " does not combine with compression yet: the adapter averages a "
                                     "compressed sum over every worker; use comm.aggregate=all");
-  if (req.param == 1 || req.param == 2) {
+  if (req.param == kParamInit || req.param == kParamUpdate) {
     const std::string what = "tensor '" + req.name + "': server-held weights (comm.consistency ssp/async)";
     ServerOptimizer parsed;
     std::string bad;
@@ -259,9 +259,9 @@ int64_t Worker::Enqueue(const OpRequest& req) {
       bad = "comm.consistency is sync (set ssp:<s> or async on every worker)";
     else if (req.dtype != DType::kFloat32)
       bad = std::string("need fp32 tensors (keep fp32 master weights). Received: ") + DTypeName(req.dtype);
-    else if (req.param == 1 && (req.op != Op::kBroadcast || req.participants != 0))
+    else if (req.param == kParamInit && (req.op != Op::kBroadcast || req.participants != 0))
       bad = "an init is a broadcast over the whole job";
-    else if (req.param == 1)
+    else if (req.param == kParamInit)
       bad = ParseServerOptimizer(req.server_optimizer, &parsed);
     else if (req.param != 2 || req.op != Op::kSum || req.participants != 0 || req.pull_only)
       bad = "an update is a sum over the whole job (param 2)";
@@ -272,14 +272,14 @@ int64_t Worker::Enqueue(const OpRequest& req) {
   if (req.sparse_row_width) {
     const uint64_t row = SparseRowBytes(req.sparse_row_width);
     std::string bad;
-    const bool pull = req.param == 4;
+    const bool pull = req.param == kRowsPull;
     RowTableSpec spec;
     if (req.op != Op::kSum || req.participants != 0 || req.dtype != DType::kFloat32 || req.pull_only ||
         (req.param != 0 && req.param != 4 && req.param != 5))
       bad = "a row-sparse push_pull is an fp32 sum over the whole job";
     else if (req.param && !(bad = ParseRowTableSpec(req.server_optimizer, &spec)).empty())
       bad = "embedding table spec: " + bad;
-    else if (req.param == 5 && (!(req.lr >= 0) || !std::isfinite(req.lr)))
+    else if (req.param == kRowsPush && (!(req.lr >= 0) || !std::isfinite(req.lr)))
       bad = "the learning rate must be finite and >= 0";
     else if (pull && (req.sparse_bytes % 8 != 0 || req.sparse_bytes > kMaxBodyLen))
       bad = std::to_string(req.sparse_bytes) + " bytes are not whole 8-byte ids within the frame limit";
@@ -477,12 +477,12 @@ void Worker::SenderLoop(DataConn* c) {
         meta.U32(bcast ? static_cast<uint32_t>(req.root) : UINT32_MAX);
       if (complete_at != static_cast<int>(participants) || req.param || sparse)
         meta.U32(static_cast<uint32_t>(complete_at));
-      if (req.param == 1)
+      if (req.param == kParamInit)
         meta.U32(kParamInit).Str(opts_.consistency).U32(consistency_.staleness_lr ? 1 : 0).Str(req.server_optimizer);
-      if (req.param == 2) meta.U32(kParamUpdate).F64(req.lr);
-      if (sparse && req.param == 0) meta.U32(kSparseRows).U32(req.sparse_row_width);
-      if (sparse && req.param == 4) meta.U32(kRowsPull).U32(req.sparse_row_width).Str(req.server_optimizer);
-      if (sparse && req.param == 5)
+      if (req.param == kParamUpdate) meta.U32(kParamUpdate).F64(req.lr);
+      if (sparse && req.param == kParamNone) meta.U32(kSparseRows).U32(req.sparse_row_width);
+      if (sparse && req.param == kRowsPull) meta.U32(kRowsPull).U32(req.sparse_row_width).Str(req.server_optimizer);
+      if (sparse && req.param == kRowsPush)
         meta.U32(kRowsPush).U32(req.sparse_row_width).Str(req.server_optimizer).F64(req.lr);
       c->link->Send(h, meta.bytes(), send_body ? body : nullptr, send_body ? body_len : 0);
     } catch (const Error& e) {
@@ -528,8 +528,8 @@ void Worker::ReceiverLoop(DataConn* c) {
       // Sparse answers: merged (id, row)s; a table pull's rows, one per id asked; a table
       // push's acknowledgement, empty.
       const uint64_t asked_rows = 4ull * req.sparse_row_width * (req.sparse_bytes / 8);
-      if (ok && (sparse ? (req.param == 4   ? h.body_len != asked_rows
-                           : req.param == 5 ? h.body_len != 0
+      if (ok && (sparse ? (req.param == kRowsPull   ? h.body_len != asked_rows
+                           : req.param == kRowsPush ? h.body_len != 0
                                             : h.body_len % SparseRowBytes(req.sparse_row_width) != 0)
                         : h.body_len != static_cast<uint64_t>(t.len)))
         throw FrameError("reply of " + std::to_string(h.body_len) + " bytes for a partition of " +
@@ -537,7 +537,8 @@ void Worker::ReceiverLoop(DataConn* c) {
       // The answer sums `h.arg` pushes: every participant's, or at least the k of k-of-n.
       const int64_t participants = req.participants ? req.participants : size_;
       const int64_t summed = h.arg;
-      if (ok && (summed < CompleteAt(req) || summed > participants))
+      const int complete_at = CompleteAt(req);
+      if (ok && (summed < complete_at || summed > participants))
         throw FrameError("reply summing " + std::to_string(summed) + " pushes for a round of " +
                          std::to_string(participants) + " participants");
       char* dst = static_cast<char*>(req.output) + t.offset;
@@ -559,14 +560,14 @@ void Worker::ReceiverLoop(DataConn* c) {
       // k-of-n answers say the newest round the server answered early: how far the
       // other workers are (RoundsBehind).
       int64_t newest = -1;
-      if (ok && CompleteAt(req) < participants) {
+      if (ok && complete_at < participants) {
         newest = MetaReader(meta).I64();
         if (newest < static_cast<int64_t>(h.version))
           throw FrameError("reply for round " + std::to_string(h.version) + " says round " +
                            std::to_string(newest) + " is the newest answered");
       }
       int64_t staleness = -1;
-      if (ok && req.param == 2) {
+      if (ok && req.param == kParamUpdate) {
         staleness = MetaReader(meta).I64();
         if (staleness < 0) throw FrameError("weights answer with staleness " + std::to_string(staleness));
       }

@@ -138,3 +138,20 @@ def test_examples_run_standalone(capsys):
                               "--batch-size", "4", "--num-warmup-batches", "1",
                               "--num-batches-per-iter", "2", "--num-iters", "2", "--no-cuda"])
     assert "Total img/sec on 1 CPU(s)" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("consistency", ["sync", "ssp:1"])
+def test_named_parameters_are_checked_the_same_way_in_every_mode(monkeypatch, consistency):
+    """The sync optimizer and the servers' one (ssp/async) share one validator."""
+    monkeypatch.setenv("BPSTRAIN_CONSISTENCY", consistency)
+    bps.shutdown()
+    bps.init()
+    m = torch.nn.Linear(2, 2)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
+    assert hasattr(opt, "_bps_spec") == (consistency != "sync")  # the servers' optimizer's methods
+    for named, why in (([("a", m.weight), ("a", m.bias)], "must be unique"),
+                       ([("w", m.weight)], "does not name every parameter"),
+                       ([m.weight, m.bias], r"sequence of \(name, parameter\)")):
+        with pytest.raises(ValueError, match=why):
+            bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=named)
