@@ -1,8 +1,6 @@
 """bpstrain.torch.ServerEmbedding(Bag) and EmbeddingTable in one process (no servers: the
-table lives in this process, lazily) and their error paths; the launched jobs are in
+table lives in this process, only the rows touched) and their error paths; the launched jobs are in
 test_torch_jobs.py (torch_checks_embedding.py)."""
-
-import os
 
 import numpy as np
 import pytest
@@ -13,14 +11,7 @@ import bpstrain.torch as bps
 from bpstrain._sparse import initial_rows
 
 
-@pytest.fixture(autouse=True)
-def standalone(monkeypatch):
-    for name in [n for n in os.environ if n.startswith("DMLC_")]:
-        monkeypatch.delenv(name)
-    bps.shutdown()
-    bps.init()
-    yield
-    bps.shutdown()
+pytestmark = pytest.mark.usefixtures("standalone_engine")  # rank 0 of 1: the table lives here
 
 
 @pytest.mark.timeout(30)
