@@ -70,6 +70,10 @@ class _State:
         self.unnamed = itertools.count()
         # Buffers of failed ops stay referenced: a straggling receive may still write them.
         self.graveyard: list = []
+        # comm.fault_tolerance: rank/size follow the workers still in the job.
+        self.fault_tolerance = False
+        self.membership_epoch = 0
+        self.membership_callbacks: list = []
 
 
 _state: Optional[_State] = None
@@ -155,6 +159,7 @@ def _connect(state: _State) -> None:
         aggregate=aggregate_count(o["aggregate"]),
         consistency=str(o["consistency"]),
         staleness_lr=bool(o["staleness_lr"]),
+        fault_tolerance=_fault_tolerance(o),
     )
     worker.start()
     try:
@@ -164,6 +169,51 @@ def _connect(state: _State) -> None:
         worker.shutdown()
         raise
     state.worker, state.rank, state.size = worker, worker.rank, worker.size
+    state.fault_tolerance = bool(o["fault_tolerance"])
+
+
+def _fault_tolerance(o: Dict[str, Any]) -> bool:
+    """``comm.fault_tolerance``, checked against the options it does not combine with."""
+    if not bool(o["fault_tolerance"]):
+        return False
+    if aggregate_count(o["aggregate"]) or str(o["consistency"]) != "sync":
+        raise ConfigError("comm.fault_tolerance works with synchronous training over every worker: set "
+                          "comm.aggregate=all and comm.consistency=sync. Received: comm.aggregate="
+                          f"{o['aggregate']!r}, comm.consistency={o['consistency']!r}")
+    return True
+
+
+def membership() -> Dict[str, Any]:
+    """Who is in the job (``comm.fault_tolerance``): ``{"epoch": 0 until a worker
+    leaves, then +1 per change, "departed": rendezvous ranks of the workers that left,
+    "rank": this worker's rank among the others (what rank() says), "size": how many
+    remain}``."""
+    state = _require()
+    if state.worker is None or not state.fault_tolerance:
+        return {"epoch": 0, "departed": [], "rank": state.rank, "size": state.size}
+    m = state.worker.membership()
+    return {"epoch": m["epoch"], "departed": list(m["departed"]), "rank": m["live_rank"],
+            "size": m["live_size"]}
+
+
+def on_membership_change(callback: Callable[[Dict[str, Any]], None]) -> None:
+    """Calls ``callback(membership())`` after a worker left the job
+    (``comm.fault_tolerance``), in the thread that next waits for an operation
+    (:func:`synchronize`), before that wait returns: re-shard the data, rescale the
+    learning rate, log. Callbacks run in the order they were added."""
+    _require().membership_callbacks.append(callback)
+
+
+def _notice_membership(state: "_State") -> None:
+    """Runs the membership callbacks once per change (fault tolerance only)."""
+    m = state.worker.membership()
+    if m["epoch"] == state.membership_epoch:
+        return
+    state.membership_epoch = m["epoch"]
+    state.rank, state.size = m["live_rank"], m["live_size"]
+    view = membership()
+    for callback in list(state.membership_callbacks):
+        callback(view)
 
 
 def shutdown() -> None:
@@ -222,13 +272,20 @@ def _require() -> _State:
 
 
 def rank() -> int:
-    """This worker's rank in [0, size())."""
-    return _require().rank
+    """This worker's rank in [0, size()) (with ``comm.fault_tolerance``, among the workers
+    still in the job)."""
+    state = _require()
+    if state.fault_tolerance:
+        _notice_membership(state)
+    return state.rank
 
 
 def size() -> int:
-    """Number of worker processes in the job."""
-    return _require().size
+    """Number of worker processes in the job (with ``comm.fault_tolerance``, still in it)."""
+    state = _require()
+    if state.fault_tolerance:
+        _notice_membership(state)
+    return state.size
 
 
 def local_rank() -> int:
@@ -510,6 +567,8 @@ def synchronize(handle: int, timeout: Optional[float] = None) -> Any:
                 _bury(state, handle, exc)
             raise
     del state.ops[handle]
+    if state.fault_tolerance:
+        _notice_membership(state)
     return result if then is None else then(result)
 
 

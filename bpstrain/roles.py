@@ -90,6 +90,7 @@ def _serve_one_job(role: str, env, options, rendezvous_timeout: float) -> None:
             local_size=env.local_size if env.local_size_given else 0,
             mixed_mode=env.mixed_mode,
             transport=str(options["transport"]),
+            fault_tolerance=bool(options["fault_tolerance"]),
         )
     else:
         _core.set_log_prefix("bpstrain server")

@@ -375,6 +375,15 @@ class CommConfig:
         False, "async only: divide each push's learning rate by its staleness (updates the "
         "servers applied since that worker last read the weights, at least 1) instead of by "
         "the worker count.", "BPSTRAIN_STALENESS_LR")
+    fault_tolerance: bool = knob(
+        False, "A worker that dies (its connections drop) or hangs (no heartbeat for "
+        "comm.timeout seconds) leaves the job and the others go on: the rounds in flight "
+        "complete with the workers still in it (averages divide by the pushes they sum), "
+        "rank()/size() number the workers that remain, bpstrain.engine.on_membership_change "
+        "callbacks run, and the launcher keeps the job going. Off: any dead worker fails the "
+        "job (PeerError everywhere). The flat path only (turns comm.hierarchical=auto off); "
+        "sync, dense tensors: not with comm.aggregate k:<K>, ssp/async, compression or sparse "
+        "rows. A dead server or scheduler still fails the job.", "BPSTRAIN_FAULT_TOLERANCE")
     compression: str = knob(
         "none", "Gradient compression of the Trainer's DistributedOptimizer (torch and "
         "Keras): none | fp16 | bf16 | onebit | topk:<ratio> | randomk:<ratio> | "

@@ -339,7 +339,7 @@ def terminate_raises() -> Iterator[None]:
 
 def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue.Queue,
               grace: float = DEFAULT_GRACE, service_timeout: float = 30.0,
-              services_exit: bool = True) -> int:
+              services_exit: bool = True, tolerate_worker_failures: bool = False) -> int:
     """Waits for a job to finish and tears it down; the launcher's main loop.
 
     The job fails as soon as any child exits non-zero: everything is stopped and
@@ -356,12 +356,16 @@ def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue
         service_timeout: How long services may outlive the workers.
         services_exit: False for services that serve job after job (they never exit on
             their own): they are stopped as soon as every worker has exited 0.
+        tolerate_worker_failures: ``comm.fault_tolerance``: a worker that exits non-zero
+            left the job and the others go on; the job fails only when no worker
+            finishes (exit 0).
 
     Returns:
         The exit status for the launcher.
     """
     everyone = [*workers, *services]
     pending = {id(w) for w in workers}
+    failed_workers: list = []  # exit codes of workers that left (fault tolerance)
     try:
         with terminate_raises():
             deadline = None
@@ -377,6 +381,17 @@ def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue
                 except queue.Empty:
                     continue
                 code = exit_code(child.proc.returncode)
+                if code != 0 and tolerate_worker_failures and id(child) in pending:
+                    pending.discard(id(child))
+                    failed_workers.append(code)
+                    if len(failed_workers) < len(workers):
+                        log(f"{child.label} exited with code {code}; fault tolerance: the job goes on "
+                            f"with the other workers")
+                        if not pending and deadline is None:
+                            deadline = time.monotonic() + service_timeout
+                        if not pending and not services_exit:
+                            break
+                        continue
                 if code != 0:
                     others = [c for c in everyone if c is not child and not c.exited.is_set()]
                     mute(others)  # their "peer closed its connection" lines are consequences

@@ -296,6 +296,12 @@ class LocalJob:
         self.workers: list[Child] = []
         self._output, self.grace, self.service_timeout = output, grace, service_timeout
 
+    def _fault_tolerance(self) -> bool:
+        """Whether the workers run with ``comm.fault_tolerance`` (BPSTRAIN_FAULT_TOLERANCE)."""
+        from bpstrain.config.env import read_env
+
+        return bool(read_env(self.services.worker_env(0)).comm.get("fault_tolerance", False))
+
     def run(self) -> int:
         """Runs the job to completion; see :func:`launch_local` for the exit code."""
         try:
@@ -313,7 +319,8 @@ class LocalJob:
             raise
         try:
             return supervise(self.workers, self.services.children, self._events,
-                             self.grace, self.service_timeout, services_exit=False)
+                             self.grace, self.service_timeout, services_exit=False,
+                             tolerate_worker_failures=self._fault_tolerance())
         finally:
             self.services.stop()
 

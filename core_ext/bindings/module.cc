@@ -439,8 +439,9 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init([](int workers, int servers, const std::string& host, int port,
                        double rendezvous_timeout, double peer_timeout, const std::string& secret,
-                       int local_size, bool mixed_mode, const std::string& transport) {
+                       int local_size, bool mixed_mode, const std::string& transport, bool fault_tolerance) {
              SchedulerOptions o;
+             o.fault_tolerance = fault_tolerance;
              o.transport = transport;
              o.num_workers = workers;
              o.local_size = local_size;
@@ -456,7 +457,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("num_workers"), py::arg("num_servers"), py::arg("host") = "127.0.0.1",
            py::arg("port") = 0, py::arg("rendezvous_timeout") = 120.0,
            py::arg("peer_timeout") = 30.0, py::arg("secret") = "", py::arg("local_size") = 0,
-           py::arg("mixed_mode") = true, py::arg("transport") = "tcp")
+           py::arg("mixed_mode") = true, py::arg("transport") = "tcp", py::arg("fault_tolerance") = false)
       .def_property_readonly("port", &Scheduler::port)
       .def("stats",
            [](Scheduler& s) {
@@ -530,8 +531,9 @@ PYBIND11_MODULE(_core, m) {
                        double rendezvous_timeout, const std::string& secret, int hierarchical,
                        int socket_send_buffer, const std::string& advertise_host, const std::string& host_id,
                        const std::string& transport, bool authenticate_bodies, int aggregate,
-                       const std::string& consistency, bool staleness_lr) {
+                       const std::string& consistency, bool staleness_lr, bool fault_tolerance) {
              WorkerOptions o;
+             o.fault_tolerance = fault_tolerance;
              o.aggregate = aggregate;
              o.consistency = consistency;
              o.staleness_lr = staleness_lr;
@@ -562,8 +564,20 @@ PYBIND11_MODULE(_core, m) {
            py::arg("hierarchical") = static_cast<int>(WorkerOptions::kAuto), py::arg("socket_send_buffer") = -1,
            py::arg("advertise_host") = "", py::arg("host_id") = "", py::arg("transport") = "tcp",
            py::arg("authenticate_bodies") = true, py::arg("aggregate") = 0, py::arg("consistency") = "sync",
-           py::arg("staleness_lr") = false)
+           py::arg("staleness_lr") = false, py::arg("fault_tolerance") = false)
       .def("start", &Worker::Start)
+      .def(
+          "membership",
+          [](Worker& w) {
+            Membership m = w.membership();
+            py::dict d;
+            d["epoch"] = m.epoch;
+            d["departed"] = m.departed;
+            d["live_rank"] = m.live_rank;
+            d["live_size"] = m.live_size;
+            return d;
+          },
+          "Fault tolerance: {'epoch', 'departed' (rendezvous ranks that left), 'live_rank', 'live_size'}.")
       .def("wait_ready", &Worker::WaitReady, py::arg("seconds"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Worker::rank)
       .def_property_readonly("size", &Worker::size)

@@ -148,7 +148,9 @@ void ControlClient::ReadLoop() {
 void ControlClient::HeartbeatLoop() {
   std::unique_lock<std::mutex> lk(hb_mu_);
   while (!closing_.load()) {
-    hb_cv_.wait_for(lk, std::chrono::seconds(1));
+    // Four a second: a scheduler with a short peer timeout (comm.timeout of a few seconds,
+    // for fault tolerance) does not mistake a busy node for a hung one.
+    hb_cv_.wait_for(lk, std::chrono::milliseconds(250));
     if (closing_.load()) break;
     if (outbox_->broken()) break;  // the reader reports the loss
     Send(MsgType::kHeartbeat);

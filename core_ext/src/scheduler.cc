@@ -319,9 +319,8 @@ void Scheduler::HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader
       std::lock_guard<std::mutex> lk(mu_);
       if (node->role != Role::kWorker || node->goodbye)
         throw FrameError("a barrier from " + node->Describe() + ": only workers in the job take part in barriers");
-      if (++barrier_count_ < num_workers_) return;
-      barrier_count_ = 0;
-      return SendToWorkersLocked(MsgType::kBarrierReply);
+      barrier_ranks_.push_back(node->rank);
+      return TryReleaseBarrierLocked();
     }
     case MsgType::kGoodbye: {
       // An empty meta (or reason) is a clean shutdown; a reason is the exception that
@@ -336,14 +335,8 @@ void Scheduler::HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader
           if (c == '\n' || c == '\r' || static_cast<unsigned char>(c) < 0x20) c = ' ';  // one log line
         return FailLocked(node->Describe() + " stopped: " + reason + "; the job cannot continue");
       }
-      if (++goodbyes_ < num_workers_) return;
-      FrameHeader r;
-      r.type = static_cast<uint16_t>(MsgType::kTerminate);
-      for (auto& n : nodes_)
-        if (n->role == Role::kServer) n->out->Post(r);
-      finished_ = true;
-      cv_.notify_all();
-      return;
+      ++goodbyes_;
+      return TryTerminateLocked();
     }
     default:
       throw FrameError("unexpected frame type " + std::to_string(h.type) + " at the scheduler");
@@ -368,9 +361,23 @@ void Scheduler::HandleDeclare(const std::shared_ptr<Node>& node, const std::stri
     if (dim < 0) throw FrameError("declare with a negative dimension");
   std::lock_guard<std::mutex> lk(mu_);
   if (node->role != Role::kWorker) throw FrameError("declare from a non-worker");
-  auto& pend = pending_decls_[name];
-  pend[node->rank].push_back(d);
-  if (static_cast<int>(pend.size()) < d.participants) return;
+  pending_decls_[name][node->rank].push_back(d);
+  TryCompleteDeclarationLocked(name);
+}
+
+void Scheduler::TryCompleteDeclarationLocked(const std::string& name) {
+  auto pit = pending_decls_.find(name);
+  if (pit == pending_decls_.end()) return;
+  auto& pend = pit->second;
+  if (pend.empty()) {
+    pending_decls_.erase(pit);
+    return;
+  }
+  // Every worker of the job declares a whole-job tensor: with fault tolerance, every
+  // worker still in it.
+  const int participants = pend.begin()->second.front().participants;
+  const int needed = participants >= num_workers_ ? LiveWorkersLocked() : participants;
+  if (static_cast<int>(pend.size()) < needed) return;
 
   // Every rank has declared `name`: compare their oldest declarations with each other.
   std::map<int64_t, Declaration> decls;
@@ -379,7 +386,7 @@ void Scheduler::HandleDeclare(const std::shared_ptr<Node>& node, const std::stri
     it->second.pop_front();
     it = it->second.empty() ? pend.erase(it) : std::next(it);
   }
-  if (pend.empty()) pending_decls_.erase(name);
+  if (pend.empty()) pending_decls_.erase(pit);
   auto describe = [](const Declaration& x) {
     std::string s = std::string("dtype=") + DTypeName(static_cast<DType>(x.dtype)) + " shape=" + ShapeString(x.shape);
     if (x.device != "cpu") s += " device=" + x.device;
@@ -496,7 +503,52 @@ void Scheduler::OnDisconnect(const std::shared_ptr<Node>& node, const std::strin
     LogWarn(node->Describe() + " left before the rendezvous completed");
     return;
   }
+  if (opts_.fault_tolerance && node->role == Role::kWorker && failure_.empty()) return DepartLocked(node, why);
   FailLocked(node->Describe() + " " + why + "; the job cannot continue");
+}
+
+void Scheduler::DepartLocked(const std::shared_ptr<Node>& node, const std::string& why) {
+  node->goodbye = true;  // out of barriers, goodbyes, heartbeat checks and worker broadcasts
+  departed_.push_back(node->rank);
+  ++membership_epoch_;
+  if (LiveWorkersLocked() == 0) return FailLocked(node->Describe() + " " + why + "; no worker is left in the job");
+  LogWarn(node->Describe() + " " + why + "; fault tolerance: the job goes on with " +
+          std::to_string(LiveWorkersLocked()) + " workers");
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(MsgType::kMembership);
+  const std::string meta = MetaWriter().I64(static_cast<int64_t>(membership_epoch_)).I64Vec(departed_).bytes();
+  // Servers first: they finish the rounds that now have every push they will get.
+  for (Role role : {Role::kServer, Role::kWorker})
+    for (auto& n : nodes_)
+      if (n->role == role && !(role == Role::kWorker && n->goodbye)) n->out->Post(h, meta);
+  // A hung worker that wakes up reads this notice first and stops (it names itself);
+  // its connection stays until then, so the notice is not lost with it.
+  node->out->Post(h, meta);
+  barrier_ranks_.erase(std::remove(barrier_ranks_.begin(), barrier_ranks_.end(), node->rank), barrier_ranks_.end());
+  std::vector<std::string> names;
+  for (auto& [name, pend] : pending_decls_) {
+    pend.erase(node->rank);
+    names.push_back(name);
+  }
+  for (const std::string& name : names) TryCompleteDeclarationLocked(name);
+  TryReleaseBarrierLocked();
+  TryTerminateLocked();
+}
+
+void Scheduler::TryReleaseBarrierLocked() {
+  if (barrier_ranks_.empty() || static_cast<int>(barrier_ranks_.size()) < LiveWorkersLocked()) return;
+  barrier_ranks_.clear();
+  SendToWorkersLocked(MsgType::kBarrierReply);
+}
+
+void Scheduler::TryTerminateLocked() {
+  if (finished_ || goodbyes_ == 0 || goodbyes_ < LiveWorkersLocked()) return;
+  FrameHeader r;
+  r.type = static_cast<uint16_t>(MsgType::kTerminate);
+  for (auto& n : nodes_)
+    if (n->role == Role::kServer) n->out->Post(r);
+  finished_ = true;
+  cv_.notify_all();
 }
 
 void Scheduler::FailLocked(const std::string& msg) {
@@ -537,8 +589,14 @@ void Scheduler::MonitorLoop() {
       if (n->goodbye) continue;
       double silent = SecondsSince(n->last_seen);
       if (silent > opts_.peer_timeout) {
-        FailLocked(n->Describe() + " sent no heartbeat for " + std::to_string(static_cast<int>(silent)) +
-                   " s (hung or unreachable); the job cannot continue");
+        const std::string why = "sent no heartbeat for " + std::to_string(silent).substr(0, 4) +
+                                " s (hung or unreachable)";
+        if (opts_.fault_tolerance && n->role == Role::kWorker) {
+          DepartLocked(n, why);
+          if (!failure_.empty()) break;
+          continue;
+        }
+        FailLocked(n->Describe() + " " + why + "; the job cannot continue");
         break;
       }
     }

@@ -38,6 +38,9 @@ struct SchedulerOptions {
   int port = 0;
   double rendezvous_timeout = 120.0;  // seconds until every node must have joined
   double peer_timeout = 30.0;         // seconds without a heartbeat before a node is dead
+  // comm.fault_tolerance: a worker that dies or hangs leaves the job (kMembership to
+  // everyone) instead of failing it; servers and the scheduler itself still fail it.
+  bool fault_tolerance = false;
   std::string secret;
   std::string transport = "tcp";  // "tcp" or "inproc" (Transport::Get)
 };
@@ -91,6 +94,14 @@ class Scheduler {
   int WantLocked(Role role) const;
   void OnDisconnect(const std::shared_ptr<Node>& node, const std::string& why);
   void FailLocked(const std::string& msg);
+  // Fault tolerance: `node` (a worker) leaves the job; everyone hears the new membership
+  // and whatever waited for it (barrier, declarations, goodbyes) is decided without it.
+  void DepartLocked(const std::shared_ptr<Node>& node, const std::string& why);
+  int LiveWorkersLocked() const { return num_workers_ - static_cast<int>(departed_.size()); }
+  // Answers the declarations of `name` once every rank that must has declared it.
+  void TryCompleteDeclarationLocked(const std::string& name);
+  void TryReleaseBarrierLocked();
+  void TryTerminateLocked();
   void MonitorLoop();
   // The partition table of a new tensor; "" with `error` set when it cannot be placed.
   std::string PlaceLocked(int64_t id, const Declaration& d, std::string* error);
@@ -126,8 +137,10 @@ class Scheduler {
   int local_size_ = 0;                // learned from the first worker unless configured
   int num_workers_ = 0;               // worker processes, once local_size_ is known
   int64_t next_tensor_id_ = 0;
-  int barrier_count_ = 0;
+  std::vector<int64_t> barrier_ranks_;  // workers waiting in the current barrier
   int goodbyes_ = 0;
+  std::vector<int64_t> departed_;  // fault tolerance: ranks that left, in order
+  uint64_t membership_epoch_ = 0;
   uint64_t job_id_ = 0;
 };
 

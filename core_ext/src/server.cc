@@ -85,6 +85,7 @@ void Server::Run() {
 
 void Server::OnControl(const FrameHeader& h, const std::string& meta) {
   if (h.type == static_cast<uint16_t>(MsgType::kTerminate)) return Finish("");
+  if (h.type == static_cast<uint16_t>(MsgType::kMembership)) return OnMembership(meta);
   if (h.type == static_cast<uint16_t>(MsgType::kPeerDead)) {
     MetaReader r(meta);
     return Finish(r.Str());
@@ -249,6 +250,10 @@ void Server::EngineLoop(EngineThread* et, int index) {
       }
       t = std::move(et->queue.front());
       et->queue.pop_front();
+    }
+    if (!t.from && t.membership) {
+      ApplyMembership(et);
+      continue;
     }
     if (!t.from) return;
     Process(et, t);
@@ -425,6 +430,9 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
 
 void Server::Process(EngineThread* et, Task& t) {
   const Push& p = t.push;
+  if (Departed(et, p.sender))
+    return Reject(t, "worker " + std::to_string(p.sender) + " left the job (comm.fault_tolerance: the others went "
+                     "on without it); its pushes are refused, it must rejoin");
   if (p.param == kParamUpdate) return ProcessParamUpdate(et, t);
   if (p.param == kSparseRows || p.param == kRowsPush) return ProcessSparse(et, t);
   if (p.param == kRowsPull) return ProcessRowsPull(et, t);
@@ -465,13 +473,15 @@ void Server::Process(EngineThread* et, Task& t) {
     it->second.param_spec = p.param_spec;
     it->second.consistency = p.consistency;
     it->second.optimizer = p.optimizer;
+    it->second.meta_expected = p.expected;
+    it->second.meta_complete_at = p.complete_at;
   }
   PendingRound& pr = it->second;
   Round& r = pr.round;
-  if (r.dtype != p.dtype || r.len != p.len || r.expected != p.expected || r.broadcast != p.broadcast)
+  if (r.dtype != p.dtype || r.len != p.len || pr.meta_expected != p.expected || r.broadcast != p.broadcast)
     return reject(what() + ": this push has dtype " + DTypeName(p.dtype) + " and " + std::to_string(p.len) +
                   " bytes, other workers pushed " + DTypeName(r.dtype) + " and " + std::to_string(r.len));
-  if (r.complete_at != p.complete_at)
+  if (pr.meta_complete_at != p.complete_at)
     return reject(what() + ": this worker completes rounds at " + std::to_string(p.complete_at) +
                   " pushes, another at " + std::to_string(r.complete_at) +
                   "; set the same comm.aggregate on every worker");
@@ -499,31 +509,38 @@ void Server::Process(EngineThread* et, Task& t) {
     if (r.pushes == 0) et->rounds.erase(it);
     return reject(error);
   }
-  if (!et->handler->Complete(r)) return;
+  FitToMembership(et, pr);
+  if (et->handler->Complete(r)) CompleteRound(et, it);
+}
 
-  error = pr.error.empty() ? et->handler->OnRoundComplete(r) : pr.error;
+void Server::CompleteRound(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, PendingRound>::iterator it) {
+  PendingRound& pr = it->second;
+  Round& r = pr.round;
+  auto what = [&r] { return "partition " + std::to_string(r.key) + " round " + std::to_string(r.version); };
+  std::string error = pr.error.empty() ? et->handler->OnRoundComplete(r) : pr.error;
   if (error.empty() && pr.param == kParamInit) {
     // The weights start from the root's model (BytePS's async mode started from zeros).
     if (!r.result || r.result->size() < r.len) {
       error = what() + ": a weights init without the root's weights";
     } else {
       std::vector<ParamStore::Answer> dropped;
-      et->params->Init(p.key, reinterpret_cast<const float*>(r.result->data()), r.len / sizeof(float), r.expected,
+      et->params->Init(r.key, reinterpret_cast<const float*>(r.result->data()), r.len / sizeof(float), r.expected,
                        pr.consistency, pr.optimizer, &dropped);
       SendParamAnswers(et, dropped);
     }
   }
   FrameHeader reply;
   reply.type = static_cast<uint16_t>(error.empty() ? MsgType::kPullReply : MsgType::kError);
-  reply.key = p.key;
-  reply.version = p.version;
+  reply.key = r.key;
+  reply.version = r.version;
   reply.arg = r.pushes;  // how many pushes the answer sums (k-of-n workers average by it)
+  if (pr.meta_expected == num_workers_ && r.pushes < num_workers_) reply.flags |= kFlagReduced;  // a worker left
   std::string meta;
   if (!error.empty()) {
     meta = MetaWriter().Str(error).bytes();
   } else if (r.complete_at < r.expected) {
-    auto through = et->finished_through.find(p.key);
-    const uint64_t newest = through == et->finished_through.end() ? p.version : std::max(through->second, p.version);
+    auto through = et->finished_through.find(r.key);
+    const uint64_t newest = through == et->finished_through.end() ? r.version : std::max(through->second, r.version);
     meta = MetaWriter().I64(static_cast<int64_t>(newest)).bytes();
   }
   for (size_t i = 0; i < pr.waiters.size(); ++i) {
@@ -538,10 +555,10 @@ void Server::Process(EngineThread* et, Task& t) {
     f.answered = r.senders;
     r.acc.reset();  // only the answer is needed now
     f.round = std::move(r);
-    et->finished.emplace(std::make_pair(p.key, p.version), std::move(f));
-    ++et->backlog[p.key];
-    uint64_t& through = et->finished_through[p.key];
-    through = std::max(through, p.version);
+    et->finished.emplace(std::make_pair(r.key, r.version), std::move(f));
+    ++et->backlog[r.key];
+    uint64_t& through = et->finished_through[r.key];
+    through = std::max(through, r.version);
   }
   et->rounds.erase(it);
 }
@@ -615,7 +632,7 @@ void Server::ProcessSparse(EngineThread* et, Task& t) {
   auto it = et->sparse_rounds.find({p.key, p.version});
   if (it == et->sparse_rounds.end()) {
     it = et->sparse_rounds.emplace(std::make_pair(p.key, p.version), SparseRound{}).first;
-    it->second.expected = p.expected;
+    it->second.expected = it->second.meta_expected = p.expected;
     it->second.width = p.row_width;
     it->second.merged = std::make_unique<RowMerger>(p.row_width);
     it->second.table = p.param == kRowsPush;
@@ -625,7 +642,7 @@ void Server::ProcessSparse(EngineThread* et, Task& t) {
   SparseRound& sr = it->second;
   if (std::find(sr.senders.begin(), sr.senders.end(), p.sender) != sr.senders.end())
     return Reject(t, "duplicate push of " + what() + " from the same worker");
-  if ((sr.width != p.row_width || sr.expected != p.expected || sr.table != (p.param == kRowsPush) ||
+  if ((sr.width != p.row_width || sr.meta_expected != p.expected || sr.table != (p.param == kRowsPush) ||
        sr.lr != p.lr || sr.spec != p.param_spec) && sr.error.empty())
     sr.error = what() + ": rows of " + std::to_string(p.row_width) + " values from worker " +
                std::to_string(p.sender) + ", of " + std::to_string(sr.width) + " from another (or a different "
@@ -640,16 +657,23 @@ void Server::ProcessSparse(EngineThread* et, Task& t) {
   t.push.body.reset();
   sr.waiters.push_back(t.from);
   sr.senders.push_back(p.sender);
-  if (static_cast<int>(sr.senders.size()) < sr.expected) return;
+  FitToMembership(et, sr);
+  if (static_cast<int>(sr.senders.size()) >= sr.expected) CompleteSparse(et, it);
+}
+
+void Server::CompleteSparse(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, SparseRound>::iterator it) {
+  SparseRound& sr = it->second;
+  const uint64_t key = it->first.first, version = it->first.second;
   FrameHeader reply;
   reply.type = static_cast<uint16_t>(sr.error.empty() ? MsgType::kPullReply : MsgType::kError);
-  reply.key = p.key;
-  reply.version = p.version;
-  reply.arg = sr.expected;
+  reply.key = key;
+  reply.version = version;
+  reply.arg = sr.expected;  // the pushes merged (a worker that left may have sent one)
+  if (sr.meta_expected == num_workers_ && sr.expected < num_workers_) reply.flags |= kFlagReduced;
   std::shared_ptr<Buffer> body = sr.error.empty() ? sr.merged->Result(*pool_) : nullptr;
   if (sr.table && sr.error.empty()) {
     // Storage mode: the average of every worker's gradient, one optimizer step per row.
-    RowTable* table = TableFor(et, p, &sr.error);
+    RowTable* table = TableFor(et, key, sr.width, sr.spec, &sr.error);
     if (table) {  // also when no rank sent rows to this shard: the step still counts (Adam)
       const uint64_t count = body ? body->size() / SparseRowBytes(sr.width) : 0;
       const int64_t* ids = body ? reinterpret_cast<const int64_t*>(body->data()) : nullptr;
@@ -666,18 +690,19 @@ void Server::ProcessSparse(EngineThread* et, Task& t) {
   et->sparse_rounds.erase(it);
 }
 
-RowTable* Server::TableFor(EngineThread* et, const Push& p, std::string* error) {
-  auto it = et->tables.find(p.key);
+RowTable* Server::TableFor(EngineThread* et, uint64_t key, uint32_t width, const std::string& spec_text,
+                           std::string* error) {
+  auto it = et->tables.find(key);
   if (it == et->tables.end()) {
     RowTableSpec spec;
-    ParseRowTableSpec(p.param_spec, &spec);  // checked in ParsePush
-    it = et->tables.emplace(p.key, std::make_unique<RowTable>(p.row_width, spec, p.param_spec)).first;
+    ParseRowTableSpec(spec_text, &spec);  // checked in ParsePush
+    it = et->tables.emplace(key, std::make_unique<RowTable>(width, spec, spec_text)).first;
   }
   RowTable* t = it->second.get();
-  if (t->width() != p.row_width || t->text() != p.param_spec) {
-    *error = "embedding table partition " + std::to_string(p.key) + " was created with width " +
+  if (t->width() != width || t->text() != spec_text) {
+    *error = "embedding table partition " + std::to_string(key) + " was created with width " +
              std::to_string(t->width()) + " and '" + t->text() + "'; this operation says " +
-             std::to_string(p.row_width) + " and '" + p.param_spec + "'";
+             std::to_string(width) + " and '" + spec_text + "'";
     return nullptr;
   }
   return t;
@@ -686,7 +711,7 @@ RowTable* Server::TableFor(EngineThread* et, const Push& p, std::string* error) 
 void Server::ProcessRowsPull(EngineThread* et, Task& t) {
   const Push& p = t.push;
   std::string error;
-  RowTable* table = TableFor(et, p, &error);
+  RowTable* table = TableFor(et, p.key, p.row_width, p.param_spec, &error);
   if (!table) return Reject(t, error);
   const uint64_t count = p.len / 8;
   std::vector<int64_t> ids(count);

@@ -76,9 +76,10 @@ class Server {
  private:
   struct Conn;
   struct Task {
-    std::shared_ptr<Conn> from;  // null stops the engine thread
+    std::shared_ptr<Conn> from;  // null stops the engine thread (unless `membership`)
     Push push;
     Clock::time_point arrived = Clock::now();
+    bool membership = false;  // no push: the job's workers changed (server_membership.cc)
   };
   struct PendingRound {
     Round round;
@@ -89,6 +90,8 @@ class Server {
     std::string param_spec;
     ConsistencySpec consistency;
     ServerOptimizer optimizer;
+    // What the first push's meta said (rounds refit `round.expected` to the membership).
+    int meta_expected = 0, meta_complete_at = 0;
   };
   // A k-of-n round answered before every participant pushed: the late pushers get the
   // same answer (their pushes are dropped), so it stays until each has it, or until
@@ -101,7 +104,8 @@ class Server {
   };
   // A row-sparse round (kSparseRows): pushes of any length, merged by row id.
   struct SparseRound {
-    int expected = 0;
+    int expected = 0;  // pushes to wait for (refit when workers leave)
+    int meta_expected = 0;  // what the pushes' meta says
     uint32_t width = 0;
     std::unique_ptr<RowMerger> merged;
     std::vector<std::shared_ptr<Conn>> waiters;
@@ -130,6 +134,8 @@ class Server {
     std::map<std::tuple<uint64_t, int, uint64_t>, std::shared_ptr<Conn>> param_waiters;
     std::map<std::pair<uint64_t, uint64_t>, SparseRound> sparse_rounds;  // (key, version)
     std::map<uint64_t, std::unique_ptr<RowTable>> tables;  // embedding storage, by key
+    // Fault tolerance: the ranks that left the job, as this thread last heard.
+    std::vector<int64_t> departed;
     // rounds, finished and held together, for stats() from other threads
     std::atomic<int64_t> pending{0};
     std::thread thread;
@@ -146,13 +152,25 @@ class Server {
   void ExpireRounds(EngineThread* et);
   void EngineLoop(EngineThread* et, int index);
   void Process(EngineThread* et, Task& t);
+  // Answers a dense round that has every push it waits for, and forgets it.
+  void CompleteRound(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, PendingRound>::iterator it);
+  void CompleteSparse(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, SparseRound>::iterator it);
+  // Fault tolerance (server_membership.cc): kMembership from the scheduler.
+  void OnMembership(const std::string& meta);
+  // A thread's share of a membership change: refit and, where complete, answer its rounds.
+  void ApplyMembership(EngineThread* et);
+  bool Departed(const EngineThread* et, int rank) const;
+  // A whole-job round waits for every worker still in the job plus those that left after
+  // pushing to it (`expected`, and `complete_at` of dense rounds, refit to that).
+  void FitToMembership(const EngineThread* et, PendingRound& pr) const;
+  void FitToMembership(const EngineThread* et, SparseRound& sr) const;
   void AnswerLate(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it,
                   Task& t);
   void ProcessParamUpdate(EngineThread* et, Task& t);
   void ProcessSparse(EngineThread* et, Task& t);
   void ProcessRowsPull(EngineThread* et, Task& t);
-  // The key's table, created by this push's spec; null (and *error set) on a mismatch.
-  RowTable* TableFor(EngineThread* et, const Push& p, std::string* error);
+  // The key's table, created with this width and spec; null (and *error set) on a mismatch.
+  RowTable* TableFor(EngineThread* et, uint64_t key, uint32_t width, const std::string& spec, std::string* error);
   void SendParamAnswers(EngineThread* et, std::vector<ParamStore::Answer>& answers);
   void ForgetFinished(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it);
   void ReleaseHeld(EngineThread* et, uint64_t key);
@@ -168,6 +186,8 @@ class Server {
   ControlClient control_;
   std::vector<int> cpus_;
   int num_workers_ = 0;
+  std::vector<int64_t> departed_;  // under mu_: the newest membership (kMembership)
+  int64_t membership_epoch_ = 0;   // under mu_
   std::vector<std::unique_ptr<EngineThread>> engines_;
   std::thread main_thread_, accept_thread_;
   std::mutex mu_;

@@ -45,6 +45,8 @@ enum class MsgType : uint16_t {
   kAuthOk = 20,       // acceptor -> connecting side: accepted (the first authenticated frame)
   kRetryLater = 21,   // scheduler -> node: this job is ending (workers shut down); reconnect
                       // for the next one (a launcher restarts the roles; see roles.py)
+  kMembership = 22,   // scheduler -> servers, workers (comm.fault_tolerance): workers left;
+                      // meta: u64 epoch, i64 vector of every rank that left so far
 };
 
 // Flags of kPush frames.
@@ -77,6 +79,8 @@ enum ParamOp : uint32_t {
 // empty (the round's merged gradients were applied). Flags:
 enum ReplyFlags : uint16_t {
   kFlagLate = 1,  // the round completed before this worker's push; its push was dropped
+  kFlagReduced = 2,  // a worker left (kMembership): the answer sums fewer pushes than the job
+                     // had workers (`arg` says how many; averages divide by it)
 };
 
 #pragma pack(push, 1)

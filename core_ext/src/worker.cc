@@ -180,6 +180,13 @@ bool Worker::UseHierarchy() const {
     LogInfo("hierarchical mode (auto) is off: comm.consistency " + opts_.consistency + " counts single workers");
     return false;
   }
+  if (opts_.fault_tolerance) {
+    // A host's shared-memory group would wait for a member that died.
+    if (opts_.hierarchical == WorkerOptions::kOn)
+      throw Error(Error::kConfig, "comm.fault_tolerance needs the flat path; set comm.hierarchical to auto or false");
+    LogInfo("hierarchical mode (auto) is off: comm.fault_tolerance goes on without workers that leave");
+    return false;
+  }
   if (KOfN()) {
     // The host's ranks reduce together, so one slow rank holds up its host's push: the
     // servers could only leave out whole hosts. k-of-n counts workers, on the flat path.
@@ -237,10 +244,23 @@ std::shared_ptr<OpHandle> Worker::NewHandleLocked(const OpRequest& req) {
   return h;
 }
 
-int64_t Worker::Enqueue(const OpRequest& req) {
+int64_t Worker::Enqueue(const OpRequest& in) {
+  // Adapters name broadcast roots by the live numbering (membership()): the same ranks
+  // until a worker leaves the job.
+  const bool map_root = in.op == Op::kBroadcast && anyone_left_.load();
+  OpRequest mapped;
+  if (map_root) {
+    mapped = in;
+    std::lock_guard<std::mutex> lk(mu_);
+    mapped.root = RootRankLocked(in.root);
+  }
+  const OpRequest& req = map_root ? mapped : in;
   if (req.op != Op::kSum && req.op != Op::kAverage && req.op != Op::kBroadcast)
     throw Error(Error::kConfig, "op must be Op.SUM (0), Op.AVERAGE (1) or Op.BROADCAST (2). Received: " +
                                     std::to_string(static_cast<int>(req.op)));
+  if (opts_.fault_tolerance && (req.dtype == DType::kCompressed || req.sparse_row_width || req.pull_only))
+    throw Error(Error::kConfig, "tensor '" + req.name + "': comm.fault_tolerance covers dense, uncompressed "
+                                "operations; compression and row-sparse operations do not combine with it yet");
   if (req.dtype == DType::kCompressed && req.op != Op::kSum)
     throw Error(Error::kConfig, "compressed tensors are push_pulled with Op.SUM: the servers re-encode the "
                                 "sum, and the adapter averages after decoding");
@@ -370,6 +390,8 @@ void Worker::OnControl(const FrameHeader& h, const std::string& meta) {
     }
     case MsgType::kPeerDead:
       return Fail(Error::kPeer, MetaReader(meta).Str());
+    case MsgType::kMembership:
+      return OnMembership(meta);
     case MsgType::kError:
       return Fail(Error::kGeneric, "the scheduler reported: " + MetaReader(meta).Str());
     default:
@@ -538,7 +560,9 @@ void Worker::ReceiverLoop(DataConn* c) {
       const int64_t participants = req.participants ? req.participants : size_;
       const int64_t summed = h.arg;
       const int complete_at = CompleteAt(req);
-      if (ok && (summed < complete_at || summed > participants))
+      // A worker left (kFlagReduced): the round sums the pushes it got, at least one.
+      const bool reduced = (h.flags & kFlagReduced) && summed >= 1 && participants == size_;
+      if (ok && ((summed < complete_at && !reduced) || summed > participants))
         throw FrameError("reply summing " + std::to_string(summed) + " pushes for a round of " +
                          std::to_string(participants) + " participants");
       char* dst = static_cast<char*>(req.output) + t.offset;

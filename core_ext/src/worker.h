@@ -83,6 +83,18 @@ struct WorkerOptions {
   // divides the learning rate by each push's staleness instead of the worker count.
   std::string consistency = "sync";
   bool staleness_lr = false;
+  // comm.fault_tolerance: a worker that dies or hangs leaves the job and the others go
+  // on (kMembership); the flat path only (a host's shared-memory group would wait for it).
+  bool fault_tolerance = false;
+};
+
+// Fault tolerance: the workers still in the job. Worker::rank()/size() stay this
+// worker's place at rendezvous (its identity on the wire); live_rank/live_size number the
+// workers still in the job, in rank order (what the adapters report as rank and size).
+struct Membership {
+  int64_t epoch = 0;                // 0 = nobody left
+  std::vector<int64_t> departed;    // rendezvous ranks of the workers that left, ascending
+  int live_rank = 0, live_size = 0;
 };
 
 // Wall-clock microseconds (system_clock) of one finished operation's phases, recorded
@@ -119,6 +131,7 @@ class Worker {
   bool WaitReady(double seconds);  // true once joined; throws on failure
   int rank() const { return rank_; }
   int size() const { return size_; }
+  Membership membership();
   int num_servers() const { return static_cast<int>(servers_.size()); }
   const WorkerOptions& options() const { return opts_; }
   // What rendezvous measured and chose (valid once ready).
@@ -176,6 +189,10 @@ class Worker {
   // participant.
   int CompleteAt(const OpRequest& req) const;
   bool KOfN() const { return opts_.aggregate > 0 && opts_.aggregate < size_; }
+  // worker_membership.cc: kMembership from the scheduler; a broadcast root named in the
+  // live numbering, as its rendezvous rank (under mu_).
+  void OnMembership(const std::string& meta);
+  int RootRankLocked(int live_root) const;
   void MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns);
   void OnControl(const FrameHeader& h, const std::string& meta);
   void OnDeclareReply(const std::string& meta);
@@ -196,6 +213,9 @@ class Worker {
   ControlClient control_;
   std::thread rendezvous_thread_;
   int rank_ = -1, size_ = 0;
+  std::vector<int64_t> departed_;  // under mu_: fault tolerance, ranks that left (ascending)
+  int64_t membership_epoch_ = 0;   // under mu_
+  std::atomic<bool> anyone_left_{false};
   std::shared_ptr<Transport> transport_;
   std::vector<std::string> servers_;  // endpoints by server id
   std::vector<std::unique_ptr<DataConn>> conns_;

@@ -1,0 +1,85 @@
+// Fault tolerance on the servers (comm.fault_tolerance): when the scheduler says workers
+// left the job (kMembership), every round that waits for a whole-job set of pushes now
+// waits only for the workers still in the job, plus the pushes the departed ones sent
+// before they left (kept: the answer says how many pushes it sums, and averages divide
+// by that). Rounds that already have them all are answered at once; pushes from a
+// departed worker that arrive later are refused.
+#include <algorithm>
+
+#include "server.h"
+
+namespace bps {
+
+void Server::OnMembership(const std::string& meta) {
+  MetaReader r(meta);
+  const int64_t epoch = r.I64();
+  std::vector<int64_t> departed = r.I64Vec();
+  if (!r.AtEnd()) throw FrameError("membership notice with trailing bytes");
+  std::sort(departed.begin(), departed.end());
+  if (departed.empty() || static_cast<int>(departed.size()) >= num_workers_ ||
+      departed.front() < 0 || departed.back() >= num_workers_ ||
+      std::adjacent_find(departed.begin(), departed.end()) != departed.end())
+    throw FrameError("membership notice naming workers outside the job or twice");
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (epoch <= membership_epoch_) return;  // an older notice
+    membership_epoch_ = epoch;
+    departed_ = std::move(departed);
+  }
+  LogWarn("workers left the job (fault tolerance, membership " + std::to_string(epoch) +
+          "): rounds now wait for the others");
+  for (auto& e : engines_) {
+    std::lock_guard<std::mutex> lk(e->mu);
+    Task t;
+    t.membership = true;
+    e->queue.push_back(std::move(t));
+    e->cv.notify_one();
+  }
+}
+
+bool Server::Departed(const EngineThread* et, int rank) const {
+  return !et->departed.empty() && std::binary_search(et->departed.begin(), et->departed.end(), rank);
+}
+
+void Server::FitToMembership(const EngineThread* et, PendingRound& pr) const {
+  Round& r = pr.round;
+  // Only rounds of the whole job in sync mode: hierarchical slices name their own
+  // participants, k-of-n closes rounds by itself (both off with fault tolerance).
+  if (et->departed.empty() || pr.meta_expected != num_workers_ || pr.meta_complete_at != pr.meta_expected) return;
+  int left_after_pushing = 0;
+  for (int s : r.senders) left_after_pushing += Departed(et, s) ? 1 : 0;
+  r.expected = r.complete_at = num_workers_ - static_cast<int>(et->departed.size()) + left_after_pushing;
+  if (r.broadcast && pr.error.empty() && Departed(et, r.root) &&
+      std::find(r.senders.begin(), r.senders.end(), r.root) == r.senders.end())
+    pr.error = "broadcast of partition " + std::to_string(r.key) + " round " + std::to_string(r.version) +
+               ": its root, worker " + std::to_string(r.root) + ", left the job before sending it";
+}
+
+void Server::FitToMembership(const EngineThread* et, SparseRound& sr) const {
+  if (et->departed.empty() || sr.meta_expected != num_workers_) return;
+  int left_after_pushing = 0;
+  for (int s : sr.senders) left_after_pushing += Departed(et, s) ? 1 : 0;
+  sr.expected = num_workers_ - static_cast<int>(et->departed.size()) + left_after_pushing;
+}
+
+void Server::ApplyMembership(EngineThread* et) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    et->departed.assign(departed_.begin(), departed_.end());
+  }
+  for (auto it = et->rounds.begin(); it != et->rounds.end();) {
+    auto next = std::next(it);
+    FitToMembership(et, it->second);
+    if (it->second.round.pushes > 0 && et->handler->Complete(it->second.round)) CompleteRound(et, it);
+    it = next;
+  }
+  for (auto it = et->sparse_rounds.begin(); it != et->sparse_rounds.end();) {
+    auto next = std::next(it);
+    FitToMembership(et, it->second);
+    if (!it->second.senders.empty() && static_cast<int>(it->second.senders.size()) >= it->second.expected)
+      CompleteSparse(et, it);
+    it = next;
+  }
+}
+
+}  // namespace bps

@@ -1,0 +1,111 @@
+"""comm.fault_tolerance in the engine: a worker that dies or hangs leaves the job and the
+others go on (core_ext/src/server_membership.cc, worker_membership.cc, the scheduler's
+DepartLocked). The departing worker is a FakeWorker of test_faults.py (a registered
+worker the test plays), so the fault is deterministic; without fault tolerance the same
+faults fail the job (test_faults.py)."""
+
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from bpstrain.errors import BpsError, PeerError
+from tests.engine.harness import InProcessCluster, push_pull, wait
+from tests.engine.test_faults import PUSH, FakeWorker
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport")]
+MEMBERSHIP = 22
+
+
+def cluster_with_a_fake(**kwargs):
+    """Two real workers (ranks 0, 1) and a fake one (rank 2), fault tolerance on."""
+    fakes = []
+    c = InProcessCluster(2, 1, extra_workers=1, fault_tolerance=True,
+                         before_ready=lambda c: fakes.append(FakeWorker(c, 2)), **kwargs)
+    fakes[0].welcome()
+    return c, fakes[0]
+
+
+def test_a_worker_that_dies_leaves_and_the_others_average_over_themselves():
+    c, fake = cluster_with_a_fake()
+    with c:
+        fake.link.shutdown()  # dies: its connection drops, it never declared nor pushed
+        t0 = time.monotonic()
+        res = c.run_all(lambda r, w: push_pull(w, "g", np.full(6, r + 1.0, np.float32), op=1))
+        assert all(np.array_equal(x, np.full(6, 1.5, np.float32)) for x in res), res  # (1 + 2) / 2
+        assert time.monotonic() - t0 < 5
+        for w in c.workers:
+            m = w.membership()
+            assert (m["epoch"], list(m["departed"]), m["live_size"], m["live_rank"]) == (1, [2], 2, w.rank)
+        # The job goes on: sums, barriers and broadcasts among the two.
+        res = c.run_all(lambda r, w: push_pull(w, "h", np.full(3, r + 1.0, np.float32), op=0))
+        assert all(np.array_equal(x, np.full(3, 3.0, np.float32)) for x in res)
+
+        def barrier_then_broadcast(r, w):
+            wait(w, w.enqueue_barrier())
+            return push_pull(w, "b", np.full(2, 10.0 * (r + 1), np.float32), op=2, root=1)
+
+        assert all(np.array_equal(x, np.full(2, 20.0, np.float32)) for x in c.run_all(barrier_then_broadcast))
+
+
+def test_a_broadcast_whose_root_left_fails_clearly_and_the_job_goes_on():
+    c, fake = cluster_with_a_fake()
+    with c:
+        handles = [w.enqueue("root2", "float32", [4], np.ones(4, np.float32), out, 2, 2, 0)
+                   for w, out in zip(c.workers, [np.empty(4, np.float32) for _ in c.workers])]
+        fake.link.shutdown()
+        for w, h in zip(c.workers, handles):
+            with pytest.raises(BpsError, match="its root, worker 2, left the job"):
+                wait(w, h)
+        res = c.run_all(lambda r, w: push_pull(w, "after", np.full(2, r + 1.0, np.float32), op=0))
+        assert all(np.array_equal(x, np.full(2, 3.0, np.float32)) for x in res)
+
+
+def test_a_hung_worker_is_left_behind_after_the_peer_timeout_and_its_pushes_are_refused():
+    c, fake = cluster_with_a_fake(peer_timeout=2)
+    with c:
+        data = fake.data_link()  # then silence: no heartbeats, as a stopped process
+        t0 = time.monotonic()
+        res = c.run_all(lambda r, w: push_pull(w, "g", np.full(4, r + 1.0, np.float32), op=1))
+        detected = time.monotonic() - t0
+        assert all(np.array_equal(x, np.full(4, 1.5, np.float32)) for x in res)
+        assert 1.5 < detected < 4.5, detected  # the 2 s peer timeout, checked every 0.2 s
+        # It wakes up and pushes: refused with a clear error, nothing merged.
+        data.send(PUSH, struct.pack("<III", 3, 0xFFFFFFFF, 3), body=np.ones(4, np.float32).tobytes(),
+                  key=1, version=9, arg=16, flags=2 << 8, sender=2)
+        reply = data.recv(10)
+        assert reply is not None and b"left the job" in reply[4], reply
+        notice = fake.link.recv(5)  # and the scheduler told it that it left
+        assert notice is not None and notice[0] == MEMBERSHIP and struct.unpack_from("<qIq", notice[4]) == (1, 1, 2)
+        fake.link.shutdown()
+
+
+def test_the_job_ends_cleanly_when_the_others_said_goodbye_and_one_left():
+    c, fake = cluster_with_a_fake()
+    try:
+        for w in c.workers:
+            w.shutdown()  # goodbyes from the two; the job still waits for the third
+        fake.link.shutdown()  # which leaves: nobody is left to wait for
+        assert all(s.wait(5) for s in c.servers)  # terminated, not failed (wait raises on failure)
+        assert c.scheduler.wait(5)
+    finally:
+        for s in c.servers:
+            s.stop()
+        c.scheduler.stop()
+
+
+def test_without_fault_tolerance_the_same_death_still_fails_the_job():
+    fakes = []
+    c = InProcessCluster(2, 1, extra_workers=1, before_ready=lambda c: fakes.append(FakeWorker(c, 2)))
+    fakes[0].welcome()
+    fakes[0].link.shutdown()
+
+    def job(rank, w):
+        with pytest.raises(PeerError, match="worker 2"):
+            push_pull(w, "x", np.ones(4, np.float32))
+        return True
+
+    assert all(c.run_all(job))
+    with pytest.raises(PeerError):
+        c.close()

@@ -1,0 +1,64 @@
+"""A worker of the fault-tolerance jobs (test_fault_tolerance_jobs.py): a linear model
+trained with DistributedOptimizer for STEPS steps; with ``--fault kill|stop`` the worker of
+rank ``--victim`` kills (SIGKILL) or stops (SIGSTOP, resumed a few seconds later) itself
+just before step ``--at`` computes its gradient. Each survivor prints one ``FT_RESULT``
+line: its final parameters, rank()/size() before and after, and the membership events its
+callback saw."""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import torch
+
+import bpstrain.torch as bps
+from bpstrain import engine
+
+STEPS = 12
+
+
+def rank_data(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(16, 4, generator=g)
+    return x, x.sum(1, keepdim=True) * 0.5
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--fault", choices=("none", "kill", "stop"), default="none")
+    p.add_argument("--victim", type=int, default=2)
+    p.add_argument("--at", type=int, default=5)
+    args = p.parse_args(argv)
+    bps.init()
+    start = (bps.rank(), bps.size())
+    events = []
+    engine.on_membership_change(lambda m: events.append(m))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    me = start[0]  # the rendezvous rank: what the data and the fault schedule follow
+    for step in range(STEPS):
+        if me == args.victim and step == args.at:
+            if args.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.fault == "stop":
+                subprocess.Popen(["sh", "-c", f"sleep 6; kill -CONT {os.getpid()}"])
+                os.kill(os.getpid(), signal.SIGSTOP)  # resumed: the job went on without it
+        x, y = rank_data(me, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
+    print("FT_RESULT " + json.dumps({"rank": me, "start": start, "end": [bps.rank(), bps.size()],
+                                     "params": params, "events": events}), flush=True)
+    bps.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""comm.fault_tolerance with real processes: a launched 3-worker torch job in which one
+worker is killed (SIGKILL) or stopped (SIGSTOP) mid-training; the other two finish every
+step, end with equal parameters, equal to a replay that averages over the workers in the
+job at each step (3 before the fault, 2 after: nothing committed is lost), and see the
+new membership through rank()/size() and the callback. Without fault tolerance the same
+kill fails the job (the launcher's exit code)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from ft_train_worker import STEPS, rank_data  # noqa: E402
+
+AT = 5
+
+
+def launch(fault, fault_tolerance=True, timeout=120):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "BPSTRAIN_OP_TIMEOUT": "30",
+           "BPSTRAIN_TIMEOUT": "3", "BPSTRAIN_FAULT_TOLERANCE": "1" if fault_tolerance else "0"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    for name in [n for n in env if n.startswith("DMLC_")]:
+        del env[name]
+    cmd = [sys.executable, "-m", "bpstrain.launch", "--workers", "3", "--servers", "1", "--",
+           sys.executable, str(HERE / "ft_train_worker.py"), "--fault", fault, "--at", str(AT)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    results = [json.loads(line.split("FT_RESULT ", 1)[1]) for line in proc.stdout.splitlines()
+               if "FT_RESULT " in line]
+    return proc, sorted(results, key=lambda r: r["rank"]), time.monotonic() - t0
+
+
+def replay():
+    """One process: SGD on the average of the gradients of the workers in the job."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        ranks = range(3) if step < AT else range(2)
+        grads = []
+        for r in ranks:
+            model.zero_grad()
+            x, y = rank_data(r, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = sum(gs) / len(gs)
+        opt.step()
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_survivors_finish_every_step_with_the_expected_parameters(fault):
+    proc, results, _ = launch(fault)
+    out = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, out
+    assert [r["rank"] for r in results] == [0, 1], out  # the victim (rank 2) printed nothing
+    a, b = results
+    assert a["params"] == b["params"], out  # the survivors hold the same model, bit for bit
+    want = replay()
+    for got, ref in zip(a["params"], want):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    for r in results:
+        assert r["start"] == [r["rank"], 3] and r["end"] == [r["rank"], 2], r
+        assert [(e["epoch"], e["departed"], e["size"]) for e in r["events"]] == [(1, [2], 2)], r
+    if fault == "stop":  # it woke up, found itself cut off and exited with the reason
+        assert "declared gone" in proc.stderr or "left the job" in proc.stderr, out
+
+
+@pytest.mark.timeout(120)
+def test_without_fault_tolerance_a_killed_worker_fails_the_job():
+    proc, results, _ = launch("kill", fault_tolerance=False)
+    assert proc.returncode != 0 and results == [], (proc.stdout + proc.stderr)[-3000:]
