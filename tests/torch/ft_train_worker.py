@@ -2,8 +2,8 @@
 trained with DistributedOptimizer for STEPS steps; with ``--fault kill|stop`` the worker of
 rank ``--victim`` kills (SIGKILL) or stops (SIGSTOP, resumed a few seconds later) itself
 just before step ``--at`` computes its gradient. Each survivor prints one ``FT_RESULT``
-line: its final parameters, rank()/size() before and after, and the membership events its
-callback saw."""
+line: its final parameters, rank()/size() before and after, the membership events its
+callback saw and each step's seconds (the step of the fault holds the detection)."""
 
 import argparse
 import json
@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -42,7 +43,9 @@ def main(argv=None):
                                    named_parameters=model.named_parameters())
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     me = start[0]  # the rendezvous rank: what the data and the fault schedule follow
+    times = []
     for step in range(STEPS):
+        t0 = time.perf_counter()
         if me == args.victim and step == args.at:
             if args.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -53,9 +56,10 @@ def main(argv=None):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+        times.append(time.perf_counter() - t0)
     params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
     print("FT_RESULT " + json.dumps({"rank": me, "start": start, "end": [bps.rank(), bps.size()],
-                                     "params": params, "events": events}), flush=True)
+                                     "params": params, "events": events, "times": times}), flush=True)
     bps.shutdown()
     return 0
 
