@@ -162,8 +162,19 @@ class _Fuzzer:
     def replay(self, port: int, secret: str) -> None:
         # Capture a real handshake (the fuzzer knows this job's secret), then replay
         # what the connecting side sent on a new connection.
-        c = wire.Conn(port)
-        wire.handshake(c, wire.cluster_key(secret), "worker")
+        # Right after the flood the listener may still be at its pending-handshake limit
+        # (the flood's connection threads reap themselves as they get scheduled): a refusal
+        # of this honest handshake is the limiter working, not a finding; try again shortly.
+        for tries_left in reversed(range(40)):
+            c = wire.Conn(port)
+            try:
+                wire.handshake(c, wire.cluster_key(secret), "worker")
+                break
+            except wire.Refused:
+                c.close()
+                if not tries_left:
+                    raise
+                time.sleep(0.25)
         captured = list(c.sent)
         c.close()
 
