@@ -27,6 +27,7 @@ whose table the servers keep), :mod:`.process_group` (the ``torch.distributed`` 
 from bpstrain.torch import parallel
 from bpstrain.torch.compression import Compression
 from bpstrain.torch.cross_barrier import CrossBarrier
+from bpstrain.torch.elastic import ElasticSampler
 from bpstrain.torch.functions import (broadcast_object, broadcast_optimizer_state,
                                       broadcast_parameters)
 from bpstrain.torch.ops import (broadcast, broadcast_, broadcast_async, broadcast_async_, declare,
@@ -47,7 +48,7 @@ _process_group.register()
 __all__ = [
     "Adasum", "Average", "Max", "Min", "Product", "Sum", "SyncBatchNorm", "allgather",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "barrier", "join",
-    "Compression", "CrossBarrier", "DistributedOptimizer", "EmbeddingTable", "ServerEmbedding",
+    "Compression", "CrossBarrier", "DistributedOptimizer", "ElasticSampler", "EmbeddingTable", "ServerEmbedding",
     "ServerEmbeddingBag", "sparse_push_pull", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
     "declare", "distributed", "init", "is_initialized", "local_rank", "local_size", "parallel",

@@ -19,6 +19,7 @@ import bpstrain.torch as bps
 from bpstrain import engine
 
 STEPS = 12
+SAMPLES, BATCH = 56, 2  # the ElasticSampler's epoch: 3 workers x 5 steps, then 2 workers cover the rest
 
 
 def rank_data(rank, step):
@@ -43,9 +44,15 @@ def main(argv=None):
                                    named_parameters=model.named_parameters())
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     me = start[0]  # the rendezvous rank: what the data and the fault schedule follow
+    # Besides the model's fixed data, an ElasticSampler's indices (dealt again when a
+    # worker leaves): which samples each survivor would have trained on.
+    sampler = bps.ElasticSampler(range(SAMPLES), shuffle=True, seed=5)
+    sampler.set_epoch(0)
+    indices, it = [], iter(sampler)
     times = []
     for step in range(STEPS):
         t0 = time.perf_counter()
+        batch = [i for _, i in zip(range(BATCH), it)]
         if me == args.victim and step == args.at:
             if args.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -56,10 +63,13 @@ def main(argv=None):
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+        sampler.record_batch(len(batch))
+        indices.append(batch)
         times.append(time.perf_counter() - t0)
     params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
     print("FT_RESULT " + json.dumps({"rank": me, "start": start, "end": [bps.rank(), bps.size()],
-                                     "params": params, "events": events, "times": times}), flush=True)
+                                     "params": params, "events": events, "times": times,
+                                     "indices": indices}), flush=True)
     bps.shutdown()
     return 0
 

@@ -1,0 +1,140 @@
+"""Data sharding that follows the job's membership (``comm.fault_tolerance``).
+
+    sampler = bps.ElasticSampler(dataset, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            ...train step...
+            sampler.record_batch(32)      # after the step: these samples are done
+
+Like ``DistributedSampler`` each rank gets an equal share of the epoch's order (padded by
+wrapping around, so every rank runs the same number of steps). When a worker leaves, the
+samples no rank has consumed yet are dealt again over the workers that remain, in the
+middle of the epoch: the departed worker's unfinished share is not lost, and the epoch
+still ends on every rank at the same step. Synchronous training consumes batches in
+lockstep, so every rank knows how far every other got: its own count. A batch in flight
+when a worker left counts as not consumed for that worker (at least once, never dropped).
+Horovod's ``hvd.elastic.ElasticSampler`` has the same interface.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, List
+
+import torch
+from torch.utils.data import Sampler
+
+from bpstrain import engine
+
+
+class ElasticSampler(Sampler):
+    """Each rank's share of an epoch, dealt again over the remaining ranks when workers leave.
+
+    Args:
+        dataset: anything with ``len()``.
+        shuffle: a new order each epoch (seeded by ``seed + epoch``, the same on every rank).
+        seed: the shuffle's seed.
+    """
+
+    def __init__(self, dataset, shuffle: bool = True, seed: int = 0):
+        self.num_samples_total = len(dataset)
+        if self.num_samples_total == 0:
+            raise ValueError("ElasticSampler needs a non-empty dataset. Received: len=0")
+        self.shuffle, self.seed = bool(shuffle), int(seed)
+        self.epoch = 0
+        self._remaining: List[int] = []  # the epoch's samples not consumed at the last deal
+        self._rank, self._size = 0, 1
+        self._done = 0  # samples this rank consumed since the last deal (record_batch)
+        self._epoch_seen = -1  # membership epoch of the last deal
+        self._deals = 0  # how many deals so far (an iterator notices a new one)
+        self._last_batch = 0  # the last record_batch's size
+        self._gone: List[int] = []  # rendezvous ranks known to have left at the last deal
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Starts epoch ``epoch``: its whole order, dealt over the workers in the job now."""
+        self.epoch = int(epoch)
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            self._remaining = torch.randperm(self.num_samples_total, generator=g).tolist()
+        else:
+            self._remaining = list(range(self.num_samples_total))
+        self._deal()
+
+    def record_batch(self, batch_size: int) -> None:
+        """Marks this rank's next ``batch_size`` samples as consumed (call after each step)."""
+        self._last_batch = int(batch_size)
+        self._done = min(self._done + self._last_batch, self._share_len())
+
+    def _deal(self) -> None:
+        m = engine.membership() if engine.is_initialized() else {"rank": 0, "size": 1, "epoch": 0}
+        self._rank, self._size, self._epoch_seen = m["rank"], m["size"], m["epoch"]
+        self._gone = list(m.get("departed", []))
+        self._done = self._last_batch = 0
+        self._deals += 1
+
+    def _share_len(self) -> int:
+        return math.ceil(len(self._remaining) / self._size) if self._remaining else 0
+
+    def _share(self, rank: int) -> List[int]:
+        """``rank``'s share of the remaining samples: every size-th, padded by wrapping."""
+        n = self._share_len()
+        padded = self._remaining + self._remaining[: n * self._size - len(self._remaining)]
+        return padded[rank::self._size]
+
+    def _drop_consumed(self, departed=()) -> None:
+        """Removes what every rank of the last deal consumed: ``_done`` samples each
+        (lockstep), but a rank in ``departed`` (positions in the last deal) one batch
+        less, as its last batch may not have counted (at least once, never dropped)."""
+        consumed = set()
+        for rank in range(self._size):
+            done = max(0, self._done - self._last_batch) if rank in departed else self._done
+            consumed.update(self._share(rank)[:done])
+        self._remaining = [i for i in self._remaining if i not in consumed]
+
+    def _follow_membership(self) -> None:
+        """After workers left: deal what nobody consumed yet over the workers that remain."""
+        if not engine.is_initialized():
+            return
+        m = engine.membership()
+        if m["epoch"] == self._epoch_seen:
+            return
+        # The last deal's ranks, by their rendezvous ranks: the job now plus those that
+        # left since (ranks keep their order).
+        total = m["size"] + len(m["departed"])
+        before = [r for r in range(total) if r not in self._gone]
+        left = {before.index(r) for r in m["departed"] if r not in self._gone}
+        self._drop_consumed(left)
+        self._gone = list(m["departed"])
+        self._deal()
+
+    def __iter__(self) -> Iterator[int]:
+        self._follow_membership()
+        deal, pos = self._deals, self._done
+        while True:
+            self._follow_membership()
+            if self._deals != deal:  # dealt again mid-epoch: go on from the new share's start
+                deal, pos = self._deals, self._done
+            share = self._share(self._rank)
+            if pos >= len(share):
+                return
+            yield share[pos]
+            pos += 1
+
+    def __len__(self) -> int:
+        return max(0, self._share_len() - self._done)
+
+    def state_dict(self) -> dict:
+        """Where the epoch is: resume with :meth:`load_state_dict` (same dataset)."""
+        return {"epoch": self.epoch, "remaining": list(self._remaining), "done": self._done,
+                "size": self._size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores :meth:`state_dict`: what was consumed then is left out, the rest dealt
+        over the workers in the job now."""
+        self.epoch = int(state["epoch"])
+        self._remaining, self._size, self._done = list(state["remaining"]), int(state["size"]), int(state["done"])
+        self._drop_consumed()
+        self._deal()
