@@ -89,3 +89,30 @@ def test_reducer_rejects_bad_arguments(standalone_engine):
     reducer.step([np.zeros(2)], [0])
     with pytest.raises(ValueError, match="Received"):
         reducer.step([np.zeros(3)], [0])
+
+
+@pytest.mark.timeout(300)
+def test_model_fit_survives_a_killed_worker_under_fault_tolerance():
+    """comm.fault_tolerance with Keras (TensorFlow backend): rank 2 of 3 is SIGKILLed when
+    batch 3 begins; the other two finish model.fit with equal kernels, equal to a replay
+    averaging 3 workers' gradients before and 2 after."""
+    import json
+
+    from keras_ft_worker import AT, BATCH, LR, STEPS, rank_data
+
+    code, out, _ = launch([sys.executable, HERE / "keras_ft_worker.py"], 3,
+                          {"KERAS_BACKEND": "tensorflow", "BPSTRAIN_FAULT_TOLERANCE": "1"}, timeout=240)
+    results = sorted((json.loads(line.split("FT_RESULT ", 1)[1]) for line in out.splitlines()
+                      if "FT_RESULT " in line), key=lambda r: r["rank"])
+    assert code == 0 and [r["rank"] for r in results] == [0, 1], out[-4000:]
+    assert results[0]["kernel"] == results[1]["kernel"] and all(r["iterations"] == STEPS for r in results)
+    w = np.zeros((4, 1))
+    data = [rank_data(r) for r in range(3)]
+    for step in range(STEPS):
+        ranks = range(3) if step < AT else range(2)
+        grads = []
+        for r in ranks:
+            x, y = (a[step * BATCH:(step + 1) * BATCH].astype(np.float64) for a in data[r])
+            grads.append(2.0 / BATCH * x.T @ (x @ w - y))
+        w -= LR * sum(grads) / len(grads)
+    np.testing.assert_allclose(results[0]["kernel"], w.ravel(), rtol=1e-4, atol=1e-5)
