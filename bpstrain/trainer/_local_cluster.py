@@ -88,6 +88,9 @@ class LocalClusterLauncher:
         self.trainer = trainer
         self.procs: List[Any] = []
         self._closed: set = set()  # ids of closed Process objects (stop() is idempotent)
+        # comm.fault_tolerance: workers that left the job (their exit does not stop it)
+        self._fault_tolerance = bool(trainer.config.comm.get("fault_tolerance", False))
+        self._departed: set = set()
         self.services = None
 
     def _payload(self, model: Any, data: Any, val_data: Any, folder: str) -> str:
@@ -135,6 +138,9 @@ class LocalClusterLauncher:
             payload = self._payload(model, data, val_data, folder)
             messages = ctx.Queue()
             extra = {"BPSTRAIN_SECRET": cfg.secret} if cfg.secret else {}
+            if self._fault_tolerance:  # the scheduler decides who left, with the workers' timeout
+                extra.update(BPSTRAIN_FAULT_TOLERANCE="1",
+                             BPSTRAIN_TIMEOUT=str(self.trainer.config.comm.timeout))
             self.services = LocalServices(cfg.workers, cfg.servers, cfg.local_size,
                                           host=cfg.host, port=cfg.port or None, env=extra)
             self.services.start()
@@ -157,7 +163,8 @@ class LocalClusterLauncher:
             if messages is not None:
                 messages.close()
                 messages.cancel_join_thread()  # never block on a queue nobody reads any more
-        rank0 = results[0]
+        # Global rank 0 sends the weights: with fault tolerance the first worker still in the job.
+        rank0 = next(r for _, r in sorted(results.items()) if r.get("weights") is not None)
         unpack_weights(model, rank0["weights"])
         for cb, state in zip(self.trainer.callbacks, rank0["callbacks"]):
             cb.load_state_dict(state)
@@ -166,7 +173,7 @@ class LocalClusterLauncher:
 
     def _supervise(self, messages, sink) -> Dict[int, Dict[str, Any]]:
         done: Dict[int, Dict[str, Any]] = {}
-        while len(done) < len(self.procs):
+        while len(done) + len(self._departed) < len(self.procs):
             try:
                 self._handle(messages.get(timeout=_POLL_S), messages, sink, done)
             except queue_mod.Empty:
@@ -181,6 +188,9 @@ class LocalClusterLauncher:
         elif msg[0] == "done":
             done[msg[1]] = msg[2]
         elif msg[0] == "error":
+            if self._fault_tolerance and len(self._departed) + 1 < len(self.procs) - len(done):
+                self._depart(msg[1], f"{msg[2]}: {msg[3]}", sink)
+                return
             sink.close()
             raise self._root_cause(msg, messages)
 
@@ -194,7 +204,10 @@ class LocalClusterLauncher:
                     f"{service.returncode}; its output above (prefixed [{service.label}]) says "
                     f"why. Received: returncode={service.returncode}")
         for rank, proc in enumerate(self.procs):
-            if rank in done or proc.exitcode is None:
+            if rank in done or rank in self._departed or proc.exitcode is None:
+                continue
+            if self._fault_tolerance and proc.exitcode != 0:
+                self._depart(rank, f"exited with code {proc.exitcode}", sink)
                 continue
             try:  # what it sent just before exiting may still be in the pipe
                 while rank not in done:
@@ -206,6 +219,15 @@ class LocalClusterLauncher:
                     "output above says why; a script must call fit() under "
                     "`if __name__ == \"__main__\":`). Received: "
                     f"exitcode={proc.exitcode}") from None
+
+    def _depart(self, rank: int, why: str, sink) -> None:
+        """comm.fault_tolerance: worker ``rank`` left; the others go on (the engine's
+        scheduler told them)."""
+        self._departed.add(rank)
+        if len(self._departed) >= len(self.procs):
+            raise PeerError(f"every worker of the local cluster left the job; the last: worker {rank} {why}")
+        sink.write(f"worker {rank} {why}; fault tolerance: the job goes on with "
+                   f"{len(self.procs) - len(self._departed)} workers", stderr=True)
 
     def _root_cause(self, first, messages) -> BaseException:
         """The most telling failure: a peer/timeout error is often only a consequence.

@@ -333,6 +333,7 @@ void Scheduler::HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader
       if (!reason.empty()) {
         for (char& c : reason)
           if (c == '\n' || c == '\r' || static_cast<unsigned char>(c) < 0x20) c = ' ';  // one log line
+        if (opts_.fault_tolerance && failure_.empty()) return DepartLocked(node, "stopped: " + reason);
         return FailLocked(node->Describe() + " stopped: " + reason + "; the job cannot continue");
       }
       ++goodbyes_;

@@ -49,6 +49,17 @@ def test_a_worker_that_dies_leaves_and_the_others_average_over_themselves():
         assert all(np.array_equal(x, np.full(2, 20.0, np.float32)) for x in c.run_all(barrier_then_broadcast))
 
 
+def test_a_worker_stopped_by_an_exception_leaves_too():
+    c, fake = cluster_with_a_fake()
+    with c:
+        reason = b"ZeroDivisionError: bad batch"
+        fake.send(8, struct.pack("<I", len(reason)) + reason)  # goodbye with a reason
+        res = c.run_all(lambda r, w: push_pull(w, "g", np.full(2, r + 1.0, np.float32), op=1))
+        assert all(np.array_equal(x, np.full(2, 1.5, np.float32)) for x in res)
+        assert all(w.membership()["departed"] == [2] for w in c.workers)
+        fake.link.shutdown()
+
+
 def test_a_broadcast_whose_root_left_fails_clearly_and_the_job_goes_on():
     c, fake = cluster_with_a_fake()
     with c:
