@@ -85,6 +85,11 @@ def unpack_weights(model: Any, packed: Any) -> None:
     model.load_state_dict(state)
 
 
+def _fault_tolerance(config) -> bool:
+    """Whether the config runs the job with ``comm.fault_tolerance``."""
+    return bool((config.get("comm") or {}).get("fault_tolerance", False))
+
+
 def main(rank: int, env: Dict[str, str], payload: str, queue,
          parent_pid: Optional[int]) -> None:
     """Runs one rank of a notebook-started job and reports to the parent.
@@ -123,7 +128,9 @@ def main(rank: int, env: Dict[str, str], payload: str, queue,
                                    QueueSink(queue) if rank == 0 else None, joined=False)
         result = {"history": history.to_dict(),
                   "callbacks": [cb.state_dict() for cb in trainer.callbacks],
-                  "weights": pack_weights(model) if trainer.is_global_zero else None}
+                  # With fault tolerance every rank sends them: rank 0 may have left the job.
+                  "weights": pack_weights(model) if trainer.is_global_zero or _fault_tolerance(config)
+                  else None}
         sys.stdout.flush()
         sys.stderr.flush()
         queue.put(("done", rank, result))
