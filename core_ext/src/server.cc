@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 
 #include "affinity.h"
 #include "reduce.h"
@@ -269,6 +270,9 @@ void Server::EngineLoop(EngineThread* et, int index) {
 void Server::ExpireRounds(EngineThread* et) {
   // Only this engine thread touches et->rounds; `pending` mirrors its size for stats().
   const double limit = std::min(opts_.round_timeout, 1e9);
+  // Expired rounds' waiters are told once `pending` no longer counts those rounds: a
+  // worker (or a test) that reads stats() on the notice sees them gone.
+  std::vector<std::tuple<std::shared_ptr<Conn>, FrameHeader, std::string>> notices;
   for (auto it = et->rounds.begin(); it != et->rounds.end();) {
     PendingRound& pr = it->second;
     if (SecondsSince(pr.started) <= limit) {
@@ -284,7 +288,7 @@ void Server::ExpireRounds(EngineThread* et) {
                                              std::to_string(static_cast<int>(limit)) + " s with " +
                                              std::to_string(pr.round.pushes) + " of " +
                                              std::to_string(pr.round.expected) + " pushes").bytes();
-    for (auto& w : pr.waiters) w->Reply(e, why);
+    for (auto& w : pr.waiters) notices.emplace_back(w, e, why);
     it = et->rounds.erase(it);
     ++expired_rounds_;
   }
@@ -321,7 +325,7 @@ void Server::ExpireRounds(EngineThread* et) {
                                              std::to_string(static_cast<int>(limit)) + " s with " +
                                              std::to_string(it->second.senders.size()) + " of " +
                                              std::to_string(it->second.expected) + " pushes").bytes();
-    for (auto& w : it->second.waiters) w->Reply(e, why);
+    for (auto& w : it->second.waiters) notices.emplace_back(w, e, why);
     it = et->sparse_rounds.erase(it);
     ++expired_rounds_;
   }
@@ -331,6 +335,7 @@ void Server::ExpireRounds(EngineThread* et) {
   SendParamAnswers(et, expired);
   et->pending.store(static_cast<int64_t>(et->rounds.size() + et->finished.size() + et->held.size() + et->sparse_rounds.size() +
                                          et->param_waiters.size()));
+  for (auto& [w, e, why] : notices) w->Reply(e, why);
 }
 
 void Server::ForgetFinished(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it) {
