@@ -11,20 +11,13 @@
 namespace bps {
 
 void Server::OnMembership(const std::string& meta) {
-  MetaReader r(meta);
-  const int64_t epoch = r.I64();
-  std::vector<int64_t> departed = r.I64Vec();
-  if (!r.AtEnd()) throw FrameError("membership notice with trailing bytes");
-  std::sort(departed.begin(), departed.end());
-  if (departed.empty() || static_cast<int>(departed.size()) >= num_workers_ ||
-      departed.front() < 0 || departed.back() >= num_workers_ ||
-      std::adjacent_find(departed.begin(), departed.end()) != departed.end())
-    throw FrameError("membership notice naming workers outside the job or twice");
+  MembershipNotice notice = ParseMembershipNotice(meta, num_workers_);
+  const int64_t epoch = notice.epoch;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (epoch <= membership_epoch_) return;  // an older notice
     membership_epoch_ = epoch;
-    departed_ = std::move(departed);
+    departed_ = std::move(notice.departed);
   }
   LogWarn("workers left the job (fault tolerance, membership " + std::to_string(epoch) +
           "): rounds now wait for the others");

@@ -1,5 +1,7 @@
 #include "wire.h"
 
+#include <algorithm>
+
 namespace bps {
 
 void CheckHeader(const FrameHeader& h, uint64_t max_body, uint32_t max_meta) {
@@ -18,6 +20,19 @@ void CheckHeader(const FrameHeader& h, uint64_t max_body, uint32_t max_meta) {
   if (h.body_len > max_body)
     throw FrameError("body of " + std::to_string(h.body_len) + " bytes exceeds the limit of " +
                      std::to_string(max_body));
+}
+
+MembershipNotice ParseMembershipNotice(const std::string& meta, int num_workers) {
+  MetaReader r(meta);
+  MembershipNotice n;
+  n.epoch = r.I64();
+  n.departed = r.I64Vec();
+  if (!r.AtEnd()) throw FrameError("membership notice with trailing bytes");
+  std::sort(n.departed.begin(), n.departed.end());
+  if (n.departed.empty() || static_cast<int>(n.departed.size()) >= num_workers || n.departed.front() < 0 ||
+      n.departed.back() >= num_workers || std::adjacent_find(n.departed.begin(), n.departed.end()) != n.departed.end())
+    throw FrameError("membership notice naming workers outside the job or twice");
+  return n;
 }
 
 }  // namespace bps

@@ -169,4 +169,12 @@ class MetaReader {
   size_t pos_ = 0;
 };
 
+// A kMembership notice, checked (it came off the network): its epoch, and the ranks that
+// left so far, ascending, each in [0, num_workers) once, fewer than num_workers.
+struct MembershipNotice {
+  int64_t epoch = 0;
+  std::vector<int64_t> departed;
+};
+MembershipNotice ParseMembershipNotice(const std::string& meta, int num_workers);
+
 }  // namespace bps

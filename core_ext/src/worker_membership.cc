@@ -9,20 +9,14 @@
 namespace bps {
 
 void Worker::OnMembership(const std::string& meta) {
-  MetaReader r(meta);
-  const int64_t epoch = r.I64();
-  std::vector<int64_t> departed = r.I64Vec();
-  if (!r.AtEnd()) throw FrameError("membership notice with trailing bytes");
-  std::sort(departed.begin(), departed.end());
-  if (departed.empty() || departed.front() < 0 || departed.back() >= size_ ||
-      std::adjacent_find(departed.begin(), departed.end()) != departed.end())
-    throw FrameError("membership notice naming workers outside the job or twice");
+  MembershipNotice notice = ParseMembershipNotice(meta, size_);
+  const int64_t epoch = notice.epoch;
   bool me = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (epoch <= membership_epoch_) return;
     membership_epoch_ = epoch;
-    departed_ = std::move(departed);
+    departed_ = std::move(notice.departed);
     me = std::binary_search(departed_.begin(), departed_.end(), static_cast<int64_t>(rank_));
     anyone_left_.store(true);
   }
