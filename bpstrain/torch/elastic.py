@@ -67,6 +67,7 @@ class ElasticSampler(Sampler):
         """Marks this rank's next ``batch_size`` samples as consumed (call after each step)."""
         self._last_batch = int(batch_size)
         self._done = min(self._done + self._last_batch, self._share_len())
+        self._follow_membership()  # a step boundary: where a new deal starts
 
     def _deal(self) -> None:
         m = engine.membership() if engine.is_initialized() else {"rank": 0, "size": 1, "epoch": 0}
@@ -114,7 +115,8 @@ class ElasticSampler(Sampler):
         self._follow_membership()
         deal, pos = self._deals, self._done
         while True:
-            self._follow_membership()
+            # Deals happen at step boundaries (record_batch), never between two samples
+            # of one batch: a batch is all from one share.
             if self._deals != deal:  # dealt again mid-epoch: go on from the new share's start
                 deal, pos = self._deals, self._done
             share = self._share(self._rank)

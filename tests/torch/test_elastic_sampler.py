@@ -41,9 +41,9 @@ def run_epoch(monkeypatch, rank, batch, leave_after, n=50, shuffle=True):
             break
         seen += chunk
         steps += 1
-        sampler.record_batch(len(chunk))
-        if steps == leave_after:
+        if steps == leave_after:  # noticed during the step (its gradients' wait), as in a job
             job.worker_2_leaves()
+        sampler.record_batch(len(chunk))
     return seen, gone, steps
 
 
