@@ -252,6 +252,9 @@ void Scheduler::CompleteRendezvousLocked() {
     FrameHeader h;
     h.type = static_cast<uint16_t>(MsgType::kWelcome);
     n->out->Post(h, w.bytes());  // a lost node: its reader thread reports it
+    // Heartbeats start with the welcome: a node that registered long before the last
+    // worker (a server, while workers import their framework) has not been silent.
+    n->last_seen = Clock::now();
   }
   rendezvous_done_ = true;
   LogInfo("rendezvous complete: " + std::to_string(num_workers_) + " workers, " +

@@ -2,13 +2,14 @@
 frame link (``_core.connect_raw``), over TCP and over the in-process transport."""
 
 import struct
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from bpstrain import _core
-from bpstrain.errors import PeerError
+from bpstrain.errors import BpsTimeoutError, PeerError
 from tests.engine.harness import InProcessCluster, push_pull
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport")]
@@ -112,6 +113,39 @@ def test_a_worker_that_hangs_is_declared_dead_after_the_peer_timeout():
     assert time.monotonic() - t0 < 15
     close_failed(c)
 
+
+
+def test_nodes_that_waited_longer_than_the_peer_timeout_for_the_last_worker_are_not_silent():
+    # Heartbeats start with the welcome. The server and two workers register, then the
+    # last worker takes longer than the peer timeout to arrive (as workers importing
+    # their framework on a loaded machine): the early nodes were waiting, not silent.
+    fakes = []
+
+    def late_worker(c):
+        time.sleep(2.5)
+        fakes.append(FakeWorker(c, 2))
+
+    c = InProcessCluster(2, 1, extra_workers=1, peer_timeout=2, before_ready=late_worker)
+    fakes[0].welcome()
+    stop = threading.Event()
+
+    def heartbeats():  # the late worker is alive
+        while not stop.wait(0.25):
+            fakes[0].send(HEARTBEAT)
+
+    beat = threading.Thread(target=heartbeats, daemon=True)
+    beat.start()
+    try:
+        # More than a peer timeout after the welcome: no PEER_DEAD notice for anyone.
+        with pytest.raises(BpsTimeoutError):
+            fakes[0].link.recv(3.0)
+        res = c.run_all(lambda r, w: w.membership()["epoch"])
+        assert res == [0, 0]
+    finally:
+        stop.set()
+        beat.join()
+        fakes[0].link.shutdown()
+    close_failed(c)
 
 @pytest.mark.parametrize("meta", [b"\x01", s("x") + b"\x02\x00", s("x") + struct.pack("<I", 99)])
 def test_a_worker_that_sends_a_malformed_declare_is_dropped_and_named(meta, capfd):
