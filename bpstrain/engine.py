@@ -187,13 +187,25 @@ def membership() -> Dict[str, Any]:
     """Who is in the job (``comm.fault_tolerance``): ``{"epoch": 0 until a worker
     leaves, then +1 per change, "departed": rendezvous ranks of the workers that left,
     "rank": this worker's rank among the others (what rank() says), "size": how many
-    remain}``."""
+    remain, "rendezvous_rank"/"rendezvous_size": this worker's rank and the job's size
+    at the start, "answered_epoch"/"answered_departed": the membership the results
+    received so far were computed under}``.
+
+    ``epoch`` changes when this rank hears from the scheduler, which two ranks may do a
+    step apart; ``answered_epoch`` changes with the first result the servers computed
+    without the departed workers, which every rank receives in the same step. Anything
+    that must change at the same step on every rank (a data sampler's deal) follows
+    ``answered_*``, read between two steps."""
     state = _require()
     if state.worker is None or not state.fault_tolerance:
-        return {"epoch": 0, "departed": [], "rank": state.rank, "size": state.size}
+        return {"epoch": 0, "departed": [], "rank": state.rank, "size": state.size,
+                "rendezvous_rank": state.rank, "rendezvous_size": state.size,
+                "answered_epoch": 0, "answered_departed": []}
     m = state.worker.membership()
     return {"epoch": m["epoch"], "departed": list(m["departed"]), "rank": m["live_rank"],
-            "size": m["live_size"]}
+            "size": m["live_size"], "rendezvous_rank": state.worker.rank,
+            "rendezvous_size": state.worker.size, "answered_epoch": m["answered_epoch"],
+            "answered_departed": list(m["answered_departed"])}
 
 
 def on_membership_change(callback: Callable[[Dict[str, Any]], None]) -> None:

@@ -15,6 +15,9 @@ middle of the epoch: the departed worker's unfinished share is not lost, and the
 still ends on every rank at the same step. Synchronous training consumes batches in
 lockstep, so every rank knows how far every other got: its own count. A batch in flight
 when a worker left counts as not consumed for that worker (at least once, never dropped).
+Every rank deals again at the same step: the one after the first step whose results the
+servers computed without the departed worker (``engine.membership()["answered_*"]``, the
+same on every rank between two steps), not when each rank happens to hear of it.
 Horovod's ``hvd.elastic.ElasticSampler`` has the same interface.
 """
 
@@ -69,10 +72,20 @@ class ElasticSampler(Sampler):
         self._done = min(self._done + self._last_batch, self._share_len())
         self._follow_membership()  # a step boundary: where a new deal starts
 
-    def _deal(self) -> None:
-        m = engine.membership() if engine.is_initialized() else {"rank": 0, "size": 1, "epoch": 0}
-        self._rank, self._size, self._epoch_seen = m["rank"], m["size"], m["epoch"]
-        self._gone = list(m.get("departed", []))
+    @staticmethod
+    def _membership() -> dict:
+        if not engine.is_initialized():
+            return {"answered_epoch": 0, "answered_departed": [], "rendezvous_rank": 0, "rendezvous_size": 1}
+        return engine.membership()
+
+    def _deal(self, m=None) -> None:
+        """Deals ``_remaining`` over the workers of the answered membership ``m``."""
+        m = m or self._membership()
+        gone = sorted(m["answered_departed"])
+        me = m["rendezvous_rank"]
+        self._rank = me - sum(1 for r in gone if r < me)
+        self._size = m["rendezvous_size"] - len(gone)
+        self._epoch_seen, self._gone = m["answered_epoch"], gone
         self._done = self._last_batch = 0
         self._deals += 1
 
@@ -97,19 +110,14 @@ class ElasticSampler(Sampler):
 
     def _follow_membership(self) -> None:
         """After workers left: deal what nobody consumed yet over the workers that remain."""
-        if not engine.is_initialized():
+        m = self._membership()
+        if m["answered_epoch"] == self._epoch_seen:
             return
-        m = engine.membership()
-        if m["epoch"] == self._epoch_seen:
-            return
-        # The last deal's ranks, by their rendezvous ranks: the job now plus those that
-        # left since (ranks keep their order).
-        total = m["size"] + len(m["departed"])
-        before = [r for r in range(total) if r not in self._gone]
-        left = {before.index(r) for r in m["departed"] if r not in self._gone}
+        # The last deal's ranks, by their rendezvous ranks (ranks keep their order).
+        before = [r for r in range(m["rendezvous_size"]) if r not in self._gone]
+        left = {before.index(r) for r in m["answered_departed"] if r not in self._gone}
         self._drop_consumed(left)
-        self._gone = list(m["departed"])
-        self._deal()
+        self._deal(m)
 
     def __iter__(self) -> Iterator[int]:
         self._follow_membership()

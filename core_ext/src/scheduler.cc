@@ -520,7 +520,7 @@ void Scheduler::DepartLocked(const std::shared_ptr<Node>& node, const std::strin
           std::to_string(LiveWorkersLocked()) + " workers");
   FrameHeader h;
   h.type = static_cast<uint16_t>(MsgType::kMembership);
-  const std::string meta = MetaWriter().I64(static_cast<int64_t>(membership_epoch_)).I64Vec(departed_).bytes();
+  const std::string meta = MembershipNoticeMeta(static_cast<int64_t>(membership_epoch_), departed_);
   // Servers first: they finish the rounds that now have every push they will get.
   for (Role role : {Role::kServer, Role::kWorker})
     for (auto& n : nodes_)

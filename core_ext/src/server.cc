@@ -543,6 +543,8 @@ void Server::CompleteRound(EngineThread* et, std::map<std::pair<uint64_t, uint64
   std::string meta;
   if (!error.empty()) {
     meta = MetaWriter().Str(error).bytes();
+  } else if (reply.flags & kFlagReduced && !et->departed.empty()) {
+    meta = ReducedAnswerMeta(et);  // fault tolerance (no k-of-n): the membership it was fitted to
   } else if (r.complete_at < r.expected) {
     auto through = et->finished_through.find(r.key);
     const uint64_t newest = through == et->finished_through.end() ? r.version : std::max(through->second, r.version);
@@ -690,7 +692,9 @@ void Server::CompleteSparse(EngineThread* et, std::map<std::pair<uint64_t, uint6
     if (!sr.error.empty()) reply.type = static_cast<uint16_t>(MsgType::kError);
   }
   reply.body_len = body ? body->size() : 0;
-  const std::string meta = sr.error.empty() ? "" : MetaWriter().Str(sr.error).bytes();
+  const std::string meta = !sr.error.empty()              ? MetaWriter().Str(sr.error).bytes()
+                           : reply.flags & kFlagReduced ? ReducedAnswerMeta(et)
+                                                        : std::string();
   for (auto& w : sr.waiters) w->Reply(reply, meta, body);  // one answer, shared
   et->sparse_rounds.erase(it);
 }

@@ -134,8 +134,10 @@ class Server {
     std::map<std::tuple<uint64_t, int, uint64_t>, std::shared_ptr<Conn>> param_waiters;
     std::map<std::pair<uint64_t, uint64_t>, SparseRound> sparse_rounds;  // (key, version)
     std::map<uint64_t, std::unique_ptr<RowTable>> tables;  // embedding storage, by key
-    // Fault tolerance: the ranks that left the job, as this thread last heard.
+    // Fault tolerance: the ranks that left the job, as this thread last heard, and that
+    // membership's epoch (reduced answers carry both).
     std::vector<int64_t> departed;
+    int64_t membership_epoch = 0;
     // rounds, finished and held together, for stats() from other threads
     std::atomic<int64_t> pending{0};
     std::thread thread;
@@ -160,6 +162,8 @@ class Server {
   // A thread's share of a membership change: refit and, where complete, answer its rounds.
   void ApplyMembership(EngineThread* et);
   bool Departed(const EngineThread* et, int rank) const;
+  // A kFlagReduced answer's meta: the membership this thread fitted the round to.
+  std::string ReducedAnswerMeta(const EngineThread* et) const;
   // A whole-job round waits for every worker still in the job plus those that left after
   // pushing to it (`expected`, and `complete_at` of dense rounds, refit to that).
   void FitToMembership(const EngineThread* et, PendingRound& pr) const;

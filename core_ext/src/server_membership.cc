@@ -30,6 +30,10 @@ void Server::OnMembership(const std::string& meta) {
   }
 }
 
+std::string Server::ReducedAnswerMeta(const EngineThread* et) const {
+  return et->departed.empty() ? std::string() : MembershipNoticeMeta(et->membership_epoch, et->departed);
+}
+
 bool Server::Departed(const EngineThread* et, int rank) const {
   return !et->departed.empty() && std::binary_search(et->departed.begin(), et->departed.end(), rank);
 }
@@ -59,6 +63,7 @@ void Server::ApplyMembership(EngineThread* et) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     et->departed.assign(departed_.begin(), departed_.end());
+    et->membership_epoch = membership_epoch_;
   }
   for (auto it = et->rounds.begin(); it != et->rounds.end();) {
     auto next = std::next(it);

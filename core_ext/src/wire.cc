@@ -22,12 +22,17 @@ void CheckHeader(const FrameHeader& h, uint64_t max_body, uint32_t max_meta) {
                      std::to_string(max_body));
 }
 
+std::string MembershipNoticeMeta(int64_t epoch, const std::vector<int64_t>& departed) {
+  return MetaWriter().I64(epoch).I64Vec(departed).bytes();
+}
+
 MembershipNotice ParseMembershipNotice(const std::string& meta, int num_workers) {
   MetaReader r(meta);
   MembershipNotice n;
   n.epoch = r.I64();
   n.departed = r.I64Vec();
   if (!r.AtEnd()) throw FrameError("membership notice with trailing bytes");
+  if (n.epoch < 1) throw FrameError("membership notice of epoch " + std::to_string(n.epoch));
   std::sort(n.departed.begin(), n.departed.end());
   if (n.departed.empty() || static_cast<int>(n.departed.size()) >= num_workers || n.departed.front() < 0 ||
       n.departed.back() >= num_workers || std::adjacent_find(n.departed.begin(), n.departed.end()) != n.departed.end())

@@ -80,7 +80,10 @@ enum ParamOp : uint32_t {
 enum ReplyFlags : uint16_t {
   kFlagLate = 1,  // the round completed before this worker's push; its push was dropped
   kFlagReduced = 2,  // a worker left (kMembership): the answer sums fewer pushes than the job
-                     // had workers (`arg` says how many; averages divide by it)
+                     // had workers (`arg` says how many; averages divide by it). With fault
+                     // tolerance its meta is the membership the round was fitted to, as in
+                     // kMembership: every rank gets the same answers, so at a step boundary
+                     // every rank knows the same membership (the data samplers deal by it).
 };
 
 #pragma pack(push, 1)
@@ -176,5 +179,6 @@ struct MembershipNotice {
   std::vector<int64_t> departed;
 };
 MembershipNotice ParseMembershipNotice(const std::string& meta, int num_workers);
+std::string MembershipNoticeMeta(int64_t epoch, const std::vector<int64_t>& departed);
 
 }  // namespace bps

@@ -590,6 +590,8 @@ void Worker::ReceiverLoop(DataConn* c) {
           throw FrameError("reply for round " + std::to_string(h.version) + " says round " +
                            std::to_string(newest) + " is the newest answered");
       }
+      if (ok && reduced && complete_at == participants && req.param != kParamUpdate && !meta.empty())
+        NoteAnsweredMembership(meta);
       int64_t staleness = -1;
       if (ok && req.param == kParamUpdate) {
         staleness = MetaReader(meta).I64();

@@ -95,6 +95,11 @@ struct Membership {
   int64_t epoch = 0;                // 0 = nobody left
   std::vector<int64_t> departed;    // rendezvous ranks of the workers that left, ascending
   int live_rank = 0, live_size = 0;
+  // The newest membership the servers' answers were computed under (kFlagReduced): all
+  // ranks receive the same answers, so between two steps this is the same on every rank,
+  // unlike `epoch`, which each rank learns from the scheduler at its own moment.
+  int64_t answered_epoch = 0;
+  std::vector<int64_t> answered_departed;
 };
 
 // Wall-clock microseconds (system_clock) of one finished operation's phases, recorded
@@ -132,6 +137,8 @@ class Worker {
   int rank() const { return rank_; }
   int size() const { return size_; }
   Membership membership();
+  // A reduced answer's membership (checked; it came off the network).
+  void NoteAnsweredMembership(const std::string& meta);
   int num_servers() const { return static_cast<int>(servers_.size()); }
   const WorkerOptions& options() const { return opts_; }
   // What rendezvous measured and chose (valid once ready).
@@ -215,6 +222,8 @@ class Worker {
   int rank_ = -1, size_ = 0;
   std::vector<int64_t> departed_;  // under mu_: fault tolerance, ranks that left (ascending)
   int64_t membership_epoch_ = 0;   // under mu_
+  int64_t answered_epoch_ = 0;     // under mu_: Membership::answered_epoch
+  std::vector<int64_t> answered_departed_;  // under mu_
   std::atomic<bool> anyone_left_{false};
   std::shared_ptr<Transport> transport_;
   std::vector<std::string> servers_;  // endpoints by server id

@@ -27,11 +27,21 @@ void Worker::OnMembership(const std::string& meta) {
           " workers remain (membership " + std::to_string(epoch) + ")");
 }
 
+void Worker::NoteAnsweredMembership(const std::string& meta) {
+  MembershipNotice notice = ParseMembershipNotice(meta, size_);  // FrameError: the link drops
+  std::lock_guard<std::mutex> lk(mu_);
+  if (notice.epoch <= answered_epoch_) return;
+  answered_epoch_ = notice.epoch;
+  answered_departed_ = std::move(notice.departed);
+}
+
 Membership Worker::membership() {
   std::lock_guard<std::mutex> lk(mu_);
   Membership m;
   m.epoch = membership_epoch_;
   m.departed = departed_;
+  m.answered_epoch = answered_epoch_;
+  m.answered_departed = answered_departed_;
   m.live_size = size_ - static_cast<int>(departed_.size());
   m.live_rank = rank_ - static_cast<int>(std::lower_bound(departed_.begin(), departed_.end(), rank_) - departed_.begin());
   return m;

@@ -38,6 +38,8 @@ def test_a_worker_that_dies_leaves_and_the_others_average_over_themselves():
         for w in c.workers:
             m = w.membership()
             assert (m["epoch"], list(m["departed"]), m["live_size"], m["live_rank"]) == (1, [2], 2, w.rank)
+            # The answer computed without worker 2 carries that membership to every rank.
+            assert (m["answered_epoch"], list(m["answered_departed"])) == (1, [2])
         # The job goes on: sums, barriers and broadcasts among the two.
         res = c.run_all(lambda r, w: push_pull(w, "h", np.full(3, r + 1.0, np.float32), op=0))
         assert all(np.array_equal(x, np.full(3, 3.0, np.float32)) for x in res)

@@ -9,21 +9,34 @@ from bpstrain import engine
 
 
 class FakeJob:
-    """engine.membership() as a worker of a job that shrinks from 3 to 2 sees it."""
+    """engine.membership() as a worker of a job that shrinks from 3 to 2 sees it: first
+    the scheduler's notice (``epoch``), then the servers' answers (``answered_epoch``)."""
 
     def __init__(self, monkeypatch, rank):
         self.rank, self.size, self.epoch, self.departed = rank, 3, 0, []
+        self.answered_epoch, self.answered_departed = 0, []
         monkeypatch.setattr(engine, "is_initialized", lambda: True)
-        monkeypatch.setattr(engine, "membership", lambda: {"epoch": self.epoch, "departed": self.departed,
-                                                           "rank": self.rank, "size": self.size})
+        monkeypatch.setattr(engine, "membership", lambda: {
+            "epoch": self.epoch, "departed": self.departed, "rank": self.rank,
+            "size": self.size, "rendezvous_rank": self.rank, "rendezvous_size": 3,
+            "answered_epoch": self.answered_epoch, "answered_departed": self.answered_departed})
 
-    def worker_2_leaves(self):
+    def hears_that_worker_2_left(self):
         self.epoch, self.size, self.departed = 1, 2, [2]
 
+    def gets_answers_without_worker_2(self):
+        self.answered_epoch, self.answered_departed = 1, [2]
 
-def run_epoch(monkeypatch, rank, batch, leave_after, n=50, shuffle=True):
+    def worker_2_leaves(self):
+        self.hears_that_worker_2_left()
+        self.gets_answers_without_worker_2()
+
+
+def run_epoch(monkeypatch, rank, batch, leave_after, n=50, shuffle=True, hears_after=None):
     """The indices rank `rank` (0 or 1) trains on in one epoch in which worker 2 leaves
-    after `leave_after` steps; also what the departed worker 2 consumed."""
+    after `leave_after` steps (this rank hears of it from the scheduler after
+    `hears_after` steps, the servers' answers show it after `leave_after`); also what the
+    departed worker 2 consumed."""
     job = FakeJob(monkeypatch, rank)
     sampler = bps.ElasticSampler(range(n), shuffle=shuffle, seed=3)
     sampler.set_epoch(1)
@@ -41,7 +54,9 @@ def run_epoch(monkeypatch, rank, batch, leave_after, n=50, shuffle=True):
             break
         seen += chunk
         steps += 1
-        if steps == leave_after:  # noticed during the step (its gradients' wait), as in a job
+        if steps == hears_after:
+            job.hears_that_worker_2_left()
+        if steps == leave_after:  # the step's answers came without worker 2
             job.worker_2_leaves()
         sampler.record_batch(len(chunk))
     return seen, gone, steps
@@ -56,6 +71,16 @@ def test_the_survivors_cover_every_sample_with_equal_steps_when_a_worker_leaves(
     assert len(set(a[before:]) & set(b[before:])) <= 1  # after the deal: disjoint but for padding
     # The departed worker's last batch may not have counted: dealt again (at least once).
     assert set(gone[-4:]) <= set(a[before:]) | set(b[before:])
+
+
+def test_ranks_that_hear_of_the_departure_at_different_steps_deal_at_the_same_step(monkeypatch):
+    # Rank 0 hears from the scheduler a step before the answers show it, rank 1 with
+    # them: both deal again after the answers (the step every rank agrees on).
+    (a, gone, steps_a), (b, _, steps_b) = (run_epoch(monkeypatch, r, 4, 3, hears_after=2 if r == 0 else 3)
+                                           for r in (0, 1))
+    assert steps_a == steps_b
+    assert set(a) | set(b) | set(gone) == set(range(50))
+    assert len(set(a[12:]) & set(b[12:])) <= 1
 
 
 def test_without_a_membership_change_it_is_a_distributed_sampler(monkeypatch):

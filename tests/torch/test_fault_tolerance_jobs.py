@@ -18,7 +18,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from ft_train_worker import STEPS, rank_data  # noqa: E402
+from ft_train_worker import BATCH, SAMPLES, STEPS, rank_data  # noqa: E402
 
 AT = 5
 
@@ -75,6 +75,16 @@ def test_survivors_finish_every_step_with_the_expected_parameters(fault):
     stall = max(max(r["times"][AT:AT + 1]) for r in results)  # the step that waited for the fault
     print(f"{fault}: the survivors' step {AT} took {stall:.2f} s (other steps: "
           f"{max(max(r['times'][AT + 1:]) for r in results) * 1e3:.0f} ms at most)")
+    # The ElasticSampler dealt the samples nobody had consumed over the two survivors, both
+    # after step AT (the first whose answers came without the victim): with what the victim
+    # consumed before the fault (its share of a 3-way deal) every sample of the epoch is
+    # covered, and the survivors' shares after the deal do not overlap.
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(5)).tolist()
+    victim = order[2::3][:AT * BATCH]
+    seen = [i for r in results for batch in r["indices"] for i in batch]
+    assert set(seen) | set(victim) == set(range(SAMPLES)), (sorted(set(range(SAMPLES)) - set(seen) - set(victim)))
+    after = [set(i for batch in r["indices"][AT + 1:] for i in batch) for r in results]
+    assert not after[0] & after[1], after
     if fault == "kill":  # its connections drop at once
         assert stall < 2.0, stall
     if fault == "stop":  # no heartbeat for comm.timeout (3 s here); then it woke up, read the
