@@ -133,6 +133,11 @@ class ElasticSampler(Sampler):
             yield share[pos]
             pos += 1
 
+    @property
+    def deals(self) -> int:
+        """How many times the samples were dealt (each epoch, and after workers left)."""
+        return self._deals
+
     def __len__(self) -> int:
         return max(0, self._share_len() - self._done)
 

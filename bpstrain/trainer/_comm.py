@@ -30,6 +30,15 @@ class Comm:
         self.local_rank, self.local_size = engine.local_rank(), engine.local_size()
         self._torch = None
 
+    def on_membership_change(self, callback) -> None:
+        """comm.fault_tolerance: after workers left, renumbers this rank over the workers
+        that remain, then calls ``callback(engine.membership())``."""
+        def follow(membership: dict) -> None:
+            self.rank, self.size = membership["rank"], membership["size"]
+            callback(membership)
+
+        engine.on_membership_change(follow)
+
     @property
     def distributed(self) -> bool:
         """True when more than one rank takes part."""

@@ -6,16 +6,24 @@ an ``(x, y)`` pair of numpy arrays or tensors, or a zero-argument callable that
 returns one of these (built inside each worker, so big data is never pickled).
 
 Every rank runs the same number of training batches (the sampler pads the shard as
-``DistributedSampler`` does); push_pull needs all ranks to take each step together.
+``DistributedSampler`` does); push_pull needs all ranks to take each step together. With
+``comm.fault_tolerance`` the sampler is an :class:`ElasticTrainSampler`: the same order and
+shares until a worker leaves, then what nobody consumed yet is dealt over the others.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset
+
+from bpstrain.torch.elastic import ElasticSampler
+
+log = logging.getLogger(__name__)
 
 
 def _expected(what: str, data: Any) -> TypeError:
@@ -77,20 +85,53 @@ class ResumableSampler(DistributedSampler):
         return iter(list(indices)[skip:]) if skip else indices
 
 
-def train_loader(data: Any, cfg: Any, rank: int, size: int) -> DataLoader:
+class ElasticTrainSampler(ElasticSampler):
+    """The Trainer's sampler under ``comm.fault_tolerance``: ``ElasticSampler``'s deal
+    (until a worker leaves, the order and shares of :class:`ResumableSampler`) with the
+    same ``skip`` for a mid-epoch resume. The loop calls ``record_batch`` after each batch.
+    """
+
+    skip = 0
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        self._follow_membership()
+        if skip:
+            self._done = min(skip, self._share_len())
+        return super().__iter__()
+
+
+def train_loader(data: Any, cfg: Any, rank: int, size: int, elastic: bool = False) -> DataLoader:
     """This rank's training DataLoader: shuffled per epoch, padded to equal length.
 
-    Call ``loader.sampler.set_epoch(epoch)`` before each epoch for a new order.
+    Call ``loader.sampler.set_epoch(epoch)`` before each epoch for a new order. With
+    ``elastic`` (fault tolerance) the shares follow the job's membership
+    (:class:`ElasticTrainSampler`), and the loader runs without worker processes: they
+    would draw indices of the old deal ahead of the step where the deal changes.
     """
     dataset, options = resolve(data, "data")
     if len(dataset) == 0:
         raise ValueError("data is empty; expected at least one training sample. Received: len=0")
-    sampler = ResumableSampler(dataset, num_replicas=size, rank=rank,
-                               shuffle=bool(cfg.data.shuffle), seed=int(cfg.trainer.seed))
+    shuffle, seed = bool(cfg.data.shuffle), int(cfg.trainer.seed)
+    num_workers = options.get("num_workers", int(cfg.data.loader_workers))
+    if elastic:
+        sampler = ElasticTrainSampler(dataset, shuffle=shuffle, seed=seed)
+        if num_workers:
+            log.warning("comm.fault_tolerance: the training DataLoader runs without worker processes "
+                        "(data.loader_workers=%d): they would prefetch batches of a share that a "
+                        "departing worker makes stale", num_workers)
+            num_workers = 0
+    else:
+        sampler = ResumableSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=seed)
     return DataLoader(dataset, batch_size=options.get("batch_size", int(cfg.trainer.batch_size)),
                       sampler=sampler, drop_last=bool(cfg.data.drop_last),
-                      num_workers=options.get("num_workers", int(cfg.data.loader_workers)),
-                      collate_fn=options.get("collate_fn"))
+                      num_workers=num_workers, collate_fn=options.get("collate_fn"))
+
+
+def batches_left(loader: DataLoader) -> int:
+    """How many batches an elastic loader's sampler still holds for this rank."""
+    n = len(loader.sampler)
+    return n // loader.batch_size if loader.drop_last else math.ceil(n / loader.batch_size)
 
 
 def val_loader(data: Any, cfg: Any, rank: int, size: int) -> Optional[DataLoader]:

@@ -195,11 +195,11 @@ def _fit_torch(trainer, module, data: Any, val_data: Any, watch) -> History:
     cfg, comm = trainer.config, trainer.comm
     device = setup_module(trainer, module)
     precision = trainer.precision_plugin
-    train_dl = _data.train_loader(data, cfg, trainer.rank, trainer.size)
-    val_dl = _data.val_loader(val_data, cfg, trainer.rank, trainer.size)
+    elastic = bool(cfg.comm.get("fault_tolerance", False))
+    train_dl = _data.train_loader(data, cfg, trainer.rank, trainer.size, elastic=elastic)
+    val_dl, val_size = _data.val_loader(val_data, cfg, trainer.rank, trainer.size), trainer.size
     passes = int(cfg.optimizer.backward_passes_per_step)
-    steps = min(len(train_dl), cfg.trainer.steps or len(train_dl))
-    trainer.num_training_batches = max(steps - steps % passes, min(steps, passes))
+    _set_epoch_length(trainer, train_dl, passes, 0)
     optimizers, trainer.lr_schedulers = _build_optimizers(trainer, module)
     trainer.module, trainer.optimizers, trainer.optimizer = module, optimizers, optimizers[0]
     ckpt = _restore(trainer, module, optimizers, watch)
@@ -221,6 +221,8 @@ def _fit_torch(trainer, module, data: Any, val_data: Any, watch) -> History:
         trainer.train_sums = trainer.resume_sums if start else {}
         trainer.val_sums = None
         train_dl.sampler.set_epoch(epoch)
+        if elastic:  # dealt over the workers in the job now
+            _set_epoch_length(trainer, train_dl, passes, 0)
         # A mid-epoch resume: the same shuffled order, less the batches already trained.
         train_dl.sampler.skip = start * train_dl.batch_size
         fire(callbacks, "train_epoch_start", trainer, module, epoch=epoch, logs=trainer.logs)
@@ -257,10 +259,17 @@ def _fit_torch(trainer, module, data: Any, val_data: Any, watch) -> History:
             trainer.progress_step = epoch * trainer.num_training_batches + batch_idx + 1
             fire(callbacks, "train_batch_end", trainer, module, outputs=logged, batch=batch,
                  batch_idx=batch_idx, logs=dict(logged, batch=batch_idx, size=n))
+            if elastic:  # a step boundary: where workers that left are dealt out
+                deals = train_dl.sampler.deals
+                train_dl.sampler.record_batch(n)
+                if train_dl.sampler.deals != deals:  # the rest of the epoch, over fewer workers
+                    _set_epoch_length(trainer, train_dl, passes, batch_idx + 1)
             if (batch_idx + 1) % passes == 0 and watch.should_stop():
                 _preempt.save_and_stop(trainer, watch, epoch, batch_idx + 1, train_dl.sampler)
         trainer.logs.update(_means(trainer.train_sums))
         every = int(cfg.trainer.val_every)
+        if val_dl is not None and trainer.size != val_size:  # workers left: shard over the others
+            val_dl, val_size = _data.val_loader(val_data, cfg, trainer.rank, trainer.size), trainer.size
         if val_dl is not None and every and (epoch + 1) % every == 0:
             _validate(trainer, module, val_dl, run, device)
         trainer.logs["lr"] = _lr(trainer.optimizer)  # the rate this epoch trained with
@@ -278,6 +287,16 @@ def _fit_torch(trainer, module, data: Any, val_data: Any, watch) -> History:
     fire(callbacks, "train_end", trainer, module, logs=trainer.history.last)
     fire(callbacks, "fit_end", trainer, module)
     return trainer.history
+
+
+def _set_epoch_length(trainer, train_dl, passes: int, done: int) -> None:
+    """``trainer.num_training_batches``: the epoch's batches (at most ``trainer.steps``),
+    whole optimizer steps of ``passes`` batches; ``done`` batches of it are behind (an
+    elastic deal mid-epoch counts what is left from there)."""
+    cap = trainer.config.trainer.steps
+    left = _data.batches_left(train_dl) if done else len(train_dl)
+    steps = min(done + left, cap or done + left)
+    trainer.num_training_batches = max(steps - steps % passes, min(steps, passes))
 
 
 def _zero_grad(optimizers: list) -> None:

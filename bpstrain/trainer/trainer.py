@@ -265,6 +265,12 @@ class Trainer:
         self.comm = Comm(comm_options(self.config))
         self.rank, self.size, self.local_rank = self.comm.rank, self.comm.size, self.comm.local_rank
         self.progress_sink = sink if self.is_global_zero else None
+        self.comm.on_membership_change(self._follow_membership)
+
+    def _follow_membership(self, membership: dict) -> None:
+        """comm.fault_tolerance: workers left; ranks are renumbered over those that remain
+        (the new rank 0 writes the checkpoints and logs)."""
+        self.rank, self.size = membership["rank"], membership["size"]
 
     def _start_run(self, run_name: Optional[str]) -> None:
         """Names the run folder on every rank and saves the resolved config there."""

@@ -89,8 +89,44 @@ class ExitWorker(Callback):
         self.rank = rank
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        if trainer.rank == self.rank:
+        # Only at the job's first batch: with fault tolerance the ranks are renumbered after
+        # it left, and another worker then holds this rank.
+        if trainer.rank == self.rank and trainer.global_step == 0 and batch_idx == 0:
             os._exit(3)
+
+
+class DieWritingCheckpoint(Callback):
+    """Rank 0 dies (exit 3) in the middle of its first checkpoint write: half the file's
+    bytes are on disk, under the temporary name the writer renames when done."""
+
+    def on_fit_start(self, trainer, module):
+        if trainer.rank != 0:
+            return
+        import io
+
+        real = torch.save
+
+        def dying_save(obj, f, *args, **kwargs):
+            buf = io.BytesIO()
+            real(obj, buf, *args, **kwargs)
+            with open(f, "wb") as out:
+                out.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+            os._exit(3)
+
+        torch.save = dying_save
+
+
+class SeenSamples(Callback):
+    """Appends ``epoch x0 x1`` per trained sample to ``folder/seen-<pid>`` (which samples
+    each worker trained on, identified by their first two features)."""
+
+    def __init__(self, folder):
+        self.folder = str(folder)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        with open(os.path.join(self.folder, f"seen-{os.getpid()}"), "a") as f:
+            for row in batch[0].cpu().numpy():
+                f.write(f"{trainer.current_epoch} {row[0]:.5f} {row[1]:.5f}\n")
 
 
 class Recorder(Callback):

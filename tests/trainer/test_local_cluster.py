@@ -16,8 +16,9 @@ import torch
 
 from bpstrain.launch import free_port
 from bpstrain.trainer import RemoteTraceback, Trainer
+from bpstrain.trainer.callbacks import find_last_checkpoint, read_checkpoint
 from bpstrain.errors import PeerError
-from tests.trainer.helpers import (ExitWorker, FailingModule, InterruptParent, Recorder,
+from tests.trainer.helpers import (DieWritingCheckpoint, ExitWorker, SeenSamples, FailingModule, InterruptParent, Recorder,
                                    base_config, blobs, tiny_net)
 
 
@@ -189,8 +190,43 @@ def test_with_fault_tolerance_the_others_finish_when_a_worker_dies(tmp_path, cap
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = base_config(tmp_path, **{"cluster.workers": 3, "cluster.port": free_port(), "trainer.epochs": 2,
                                    "comm.fault_tolerance": True, "comm.timeout": 5})
-    history = Trainer(cfg, callbacks=[ExitWorker(rank=victim)]).fit(model, (x, y), val_data=(x, y))
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    history = Trainer(cfg, callbacks=[ExitWorker(rank=victim), SeenSamples(seen)]).fit(model, (x, y), val_data=(x, y))
     assert len(history["loss"]) == 2 and history["loss"][-1] < history["loss"][0]
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert f"worker {victim} exited with code 3; fault tolerance: the job goes on with 2 workers" in capsys.readouterr().err
+    # The data followed the membership: the two survivors trained every sample of each
+    # epoch (the departed worker's share was dealt to them), in equal steps.
+    index = {(f"{a:.5f}", f"{b:.5f}"): i for i, (a, b) in enumerate(x[:, :2])}
+    files = sorted(seen.iterdir())
+    assert len(files) == 2, files
+    for epoch in (0, 1):
+        per_worker = [[index[tuple(line.split()[1:])] for line in f.read_text().splitlines()
+                       if line.split()[0] == str(epoch)] for f in files]
+        assert set(per_worker[0]) | set(per_worker[1]) == set(range(len(x))), epoch
+        assert len(per_worker[0]) == len(per_worker[1]), epoch
+    assert _children() == []
+
+
+@pytest.mark.timeout(180)
+def test_with_fault_tolerance_rank_0_dying_in_a_checkpoint_write_loses_no_checkpoint(tmp_path, capsys):
+    """Rank 0 of 3 dies halfway through writing epoch 0's checkpoint: no half checkpoint is
+    ever visible, the next rank 0 writes the later epochs' checkpoints, and a new job
+    resumes from the last one."""
+    x, y = blobs(256)
+    cfg = base_config(tmp_path, **{"cluster.workers": 3, "cluster.port": free_port(), "trainer.epochs": 3,
+                                   "trainer.checkpoint_every": 1, "comm.fault_tolerance": True,
+                                   "comm.timeout": 5})
+    history = Trainer(cfg, callbacks=[DieWritingCheckpoint()]).fit(tiny_net(), (x, y))
+    assert len(history["loss"]) == 3
+    assert "worker 0 exited with code 3; fault tolerance: the job goes on with 2 workers" in capsys.readouterr().err
+    folder = find_last_checkpoint(tmp_path).parent
+    names = sorted(p.name for p in folder.iterdir() if p.name.startswith("epoch=") and p.suffix == ".ckpt")
+    assert names == ["epoch=0001.ckpt", "epoch=0002.ckpt"], names  # epoch 0's never landed
+    assert read_checkpoint(folder / "epoch=0002.ckpt")["epoch"] == 2
+    again = Trainer(base_config(tmp_path, **{"cluster.workers": 2, "cluster.port": free_port(),
+                                             "trainer.epochs": 4, "trainer.resume": "auto"}))
+    resumed = again.fit(tiny_net(), (x, y))
+    assert [e["epoch"] for e in resumed.epochs] == [0, 1, 2, 3]
     assert _children() == []
