@@ -189,7 +189,9 @@ def membership() -> Dict[str, Any]:
     "rank": this worker's rank among the others (what rank() says), "size": how many
     remain, "rendezvous_rank"/"rendezvous_size": this worker's rank and the job's size
     at the start, "answered_epoch"/"answered_departed": the membership the results
-    received so far were computed under}``.
+    received so far were computed under, "scheduler_alive": False once the scheduler is
+    gone (the job goes on, but barriers, new tensors and further membership changes
+    fail)}``.
 
     ``epoch`` changes when this rank hears from the scheduler, which two ranks may do a
     step apart; ``answered_epoch`` changes with the first result the servers computed
@@ -200,12 +202,12 @@ def membership() -> Dict[str, Any]:
     if state.worker is None or not state.fault_tolerance:
         return {"epoch": 0, "departed": [], "rank": state.rank, "size": state.size,
                 "rendezvous_rank": state.rank, "rendezvous_size": state.size,
-                "answered_epoch": 0, "answered_departed": []}
+                "answered_epoch": 0, "answered_departed": [], "scheduler_alive": True}
     m = state.worker.membership()
     return {"epoch": m["epoch"], "departed": list(m["departed"]), "rank": m["live_rank"],
             "size": m["live_size"], "rendezvous_rank": state.worker.rank,
             "rendezvous_size": state.worker.size, "answered_epoch": m["answered_epoch"],
-            "answered_departed": list(m["answered_departed"])}
+            "answered_departed": list(m["answered_departed"]), "scheduler_alive": not m["scheduler_lost"]}
 
 
 def on_membership_change(callback: Callable[[Dict[str, Any]], None]) -> None:

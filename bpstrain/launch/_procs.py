@@ -339,7 +339,8 @@ def terminate_raises() -> Iterator[None]:
 
 def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue.Queue,
               grace: float = DEFAULT_GRACE, service_timeout: float = 30.0,
-              services_exit: bool = True, tolerate_worker_failures: bool = False) -> int:
+              services_exit: bool = True, tolerate_worker_failures: bool = False,
+              survivable: Sequence[Child] = ()) -> int:
     """Waits for a job to finish and tears it down; the launcher's main loop.
 
     The job fails as soon as any child exits non-zero: everything is stopped and
@@ -359,6 +360,8 @@ def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue
         tolerate_worker_failures: ``comm.fault_tolerance``: a worker that exits non-zero
             left the job and the others go on; the job fails only when no worker
             finishes (exit 0).
+        survivable: Services whose exit the job survives (the scheduler, under
+            ``comm.fault_tolerance``: the workers and servers go on without it).
 
     Returns:
         The exit status for the launcher.
@@ -381,6 +384,10 @@ def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue
                 except queue.Empty:
                     continue
                 code = exit_code(child.proc.returncode)
+                if any(child is c for c in survivable) and pending:
+                    log(f"{child.label} exited with code {code}; fault tolerance: the workers and servers "
+                        "go on without it (no worker can leave or join the job from now on)")
+                    continue
                 if code != 0 and tolerate_worker_failures and id(child) in pending:
                     pending.discard(id(child))
                     failed_workers.append(code)

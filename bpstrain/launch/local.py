@@ -228,6 +228,11 @@ class LocalServices:
             raise
         return self
 
+    @property
+    def scheduler(self) -> Child:
+        """The scheduler's child process (started first)."""
+        return self.children[0]
+
     def _spawn(self, label: str, env: Mapping[str, str]) -> None:
         self.children.append(Child(label, self.role_cmd, env, self._on_exit, self._output))
 
@@ -318,9 +323,11 @@ class LocalJob:
             stop_children([*self.workers, *self.services.children], self.grace)
             raise
         try:
+            tolerant = self._fault_tolerance()
             return supervise(self.workers, self.services.children, self._events,
                              self.grace, self.service_timeout, services_exit=False,
-                             tolerate_worker_failures=self._fault_tolerance())
+                             tolerate_worker_failures=tolerant,
+                             survivable=[self.services.scheduler] if tolerant else [])
         finally:
             self.services.stop()
 

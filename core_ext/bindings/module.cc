@@ -577,11 +577,13 @@ PYBIND11_MODULE(_core, m) {
             d["live_size"] = m.live_size;
             d["answered_epoch"] = m.answered_epoch;
             d["answered_departed"] = m.answered_departed;
+            d["scheduler_lost"] = m.scheduler_lost;
             return d;
           },
           "Fault tolerance: {'epoch', 'departed' (rendezvous ranks that left), 'live_rank', 'live_size', "
           "'answered_epoch', 'answered_departed' (the membership the answers received so far were computed "
-          "under: the same on every rank between two steps)}.")
+          "under: the same on every rank between two steps), 'scheduler_lost' (the job goes on without its "
+          "scheduler)}.")
       .def("wait_ready", &Worker::WaitReady, py::arg("seconds"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Worker::rank)
       .def_property_readonly("size", &Worker::size)

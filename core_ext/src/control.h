@@ -44,7 +44,13 @@ struct Welcome {
   // Data-connection credentials the scheduler issued: a worker gets one per server, a
   // server one per worker (index = the peer's id); see secure_link.h.
   std::vector<std::string> peer_keys;
+  // comm.fault_tolerance, as the scheduler runs the job (kWelcomeFaultTolerance): a
+  // server then keeps serving when the scheduler goes (server.cc, OnSchedulerLost).
+  bool fault_tolerance = false;
 };
+
+// Bits of the welcome's trailing flags word (absent: none).
+constexpr uint32_t kWelcomeFaultTolerance = 1;
 
 // The largest job the control plane accepts (a welcome beyond it is malformed).
 constexpr int kMaxNodes = 1 << 16;

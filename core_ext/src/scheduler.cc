@@ -249,6 +249,7 @@ void Scheduler::CompleteRendezvousLocked() {
     w.U32(static_cast<uint32_t>(peers));
     for (int p = 0; p < peers; ++p)
       w.Str(HmacSha256(job_key_, MetaWriter().Str("data").I64(worker ? n->rank : p).I64(worker ? p : n->rank).bytes()));
+    w.U32(opts_.fault_tolerance ? kWelcomeFaultTolerance : 0);
     FrameHeader h;
     h.type = static_cast<uint16_t>(MsgType::kWelcome);
     n->out->Post(h, w.bytes());  // a lost node: its reader thread reports it

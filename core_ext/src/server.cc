@@ -65,10 +65,18 @@ void Server::Run() {
     Welcome w = control_.Connect(
         *transport_, transport_->Endpoint(opts_.scheduler_host, opts_.scheduler_port), me, opts_.rendezvous_timeout,
         [this](const FrameHeader& h, const std::string& m) { OnControl(h, m); },
-        [this](const std::string& why) { Finish(why); }, &stopping_);
+        [this](const std::string& why) { OnSchedulerLost(why); }, &stopping_);
     SetLogPrefix("bpstrain server " + std::to_string(w.rank));
-    num_workers_ = w.num_workers;
-    worker_keys_ = w.peer_keys;
+    std::string lost;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      num_workers_ = w.num_workers;
+      worker_keys_ = w.peer_keys;
+      fault_tolerance_ = w.fault_tolerance;
+      welcomed_ = true;
+      lost = scheduler_lost_;  // lost before these were set
+    }
+    if (!lost.empty()) GoOnWithoutScheduler(lost);
   } catch (const Error& e) {
     failure_kind_ = e.kind();
     Finish(e.what());
@@ -194,6 +202,8 @@ void Server::ServeConnection(std::shared_ptr<Link> raw, std::shared_ptr<Handshak
     std::lock_guard<std::mutex> lk(mu_);
     if (stopping_) return conn->Close();
     conns_.push_back(conn);
+    ever_connected_.insert(rank);
+    ++open_by_worker_[rank];
   }
   try {
     FrameHeader h;
@@ -214,6 +224,12 @@ void Server::ServeConnection(std::shared_ptr<Link> raw, std::shared_ptr<Handshak
         conn->Reply(reply);
         continue;
       }
+      if (h.type == static_cast<uint16_t>(MsgType::kGoodbye)) {  // fault tolerance: a clean shutdown
+        if (h.body_len || !meta.empty()) throw FrameError("a goodbye with a body");
+        std::lock_guard<std::mutex> lk(mu_);
+        said_goodbye_.insert(rank);
+        continue;
+      }
       Task t{conn, ParsePush(h, meta)};
       t.push.sender = static_cast<int>(rank);
       if (h.body_len) {
@@ -231,8 +247,14 @@ void Server::ServeConnection(std::shared_ptr<Link> raw, std::shared_ptr<Handshak
     if (!stopping_) LogDebug("connection from " + link->peer() + " ended: " + e.what());
   }
   conn->Close();
-  std::lock_guard<std::mutex> lk(mu_);
-  conns_.erase(std::remove(conns_.begin(), conns_.end(), conn), conns_.end());
+  bool without_scheduler = false;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    conns_.erase(std::remove(conns_.begin(), conns_.end(), conn), conns_.end());
+    if (--open_by_worker_[rank] == 0) open_by_worker_.erase(rank);
+    without_scheduler = !scheduler_lost_.empty();
+  }
+  if (without_scheduler) CheckWorkersWithoutScheduler();
 }
 
 void Server::EngineLoop(EngineThread* et, int index) {

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -159,6 +160,13 @@ class Server {
   void CompleteSparse(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, SparseRound>::iterator it);
   // Fault tolerance (server_membership.cc): kMembership from the scheduler.
   void OnMembership(const std::string& meta);
+  // The scheduler's connection broke. With fault tolerance the server goes on serving the
+  // workers in the job and ends once each has said goodbye (kGoodbye on its data
+  // connections) and closed them; a worker that vanishes without one ends the job, since
+  // only the scheduler can change the membership. Without it, the server fails.
+  void OnSchedulerLost(const std::string& why);
+  void GoOnWithoutScheduler(const std::string& why);  // once the welcome's fields are set
+  void CheckWorkersWithoutScheduler();
   // A thread's share of a membership change: refit and, where complete, answer its rounds.
   void ApplyMembership(EngineThread* et);
   bool Departed(const EngineThread* et, int rank) const;
@@ -192,6 +200,12 @@ class Server {
   int num_workers_ = 0;
   std::vector<int64_t> departed_;  // under mu_: the newest membership (kMembership)
   int64_t membership_epoch_ = 0;   // under mu_
+  bool welcomed_ = false;          // under mu_: num_workers_ and fault_tolerance_ are set
+  bool fault_tolerance_ = false;   // the scheduler runs the job with comm.fault_tolerance
+  std::string scheduler_lost_;     // under mu_: why the scheduler's connection broke
+  std::set<int64_t> said_goodbye_;  // under mu_: workers that shut down cleanly (kGoodbye)
+  std::set<int64_t> ever_connected_;  // under mu_: workers that opened a data connection
+  std::map<int64_t, int> open_by_worker_;  // under mu_: open data connections by worker rank
   std::vector<std::unique_ptr<EngineThread>> engines_;
   std::thread main_thread_, accept_thread_;
   std::mutex mu_;

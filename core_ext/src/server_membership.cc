@@ -30,6 +30,52 @@ void Server::OnMembership(const std::string& meta) {
   }
 }
 
+void Server::OnSchedulerLost(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (done_ || !scheduler_lost_.empty()) return;
+    scheduler_lost_ = why;
+    if (!welcomed_) return;  // Run() goes on once the welcome's fields are set
+  }
+  GoOnWithoutScheduler(why);
+}
+
+void Server::GoOnWithoutScheduler(const std::string& why) {
+  if (!fault_tolerance_) return Finish(why);
+  LogWarn("the scheduler is gone (" + why + "); fault tolerance: serving the workers in the job until each "
+          "has shut down (a worker that vanishes now ends the job: only the scheduler changes the membership)");
+  CheckWorkersWithoutScheduler();
+}
+
+void Server::CheckWorkersWithoutScheduler() {
+  std::string failure;
+  bool all_gone = true;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (done_ || scheduler_lost_.empty()) return;
+    for (int64_t r = 0; r < num_workers_ && failure.empty(); ++r) {
+      if (std::binary_search(departed_.begin(), departed_.end(), r) || said_goodbye_.count(r)) continue;
+      // Still connected, or not connected yet (it has its welcome, so it can without
+      // the scheduler): running.
+      if (open_by_worker_.count(r) || !ever_connected_.count(r)) {
+        all_gone = false;
+        continue;
+      }
+      failure = "worker " + std::to_string(r) + " closed its connections without shutting down while the "
+                "scheduler was gone (" + scheduler_lost_ + "): only the scheduler can take a worker out of "
+                "the job (fault tolerance), so the job ends";
+    }
+  }
+  if (!failure.empty()) {
+    LogWarn(failure);
+    return Finish(failure);  // failure_kind_ stays kPeer
+  }
+  if (all_gone) {
+    LogInfo("every worker shut down; the job is over (its scheduler was gone)");
+    Finish("");
+  }
+}
+
 std::string Server::ReducedAnswerMeta(const EngineThread* et) const {
   return et->departed.empty() ? std::string() : MembershipNoticeMeta(et->membership_epoch, et->departed);
 }

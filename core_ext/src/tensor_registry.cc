@@ -1,5 +1,7 @@
 #include "tensor_registry.h"
 
+#include <algorithm>
+
 #include "wire.h"
 
 namespace bps {
@@ -79,6 +81,31 @@ std::shared_ptr<TensorDecl> TensorRegistry::OnReply(const std::string& meta, int
     if (it != current_.end() && it->second == t) current_.erase(it);
   }
   return t;
+}
+
+void TensorRegistry::Withdraw(const std::shared_ptr<TensorDecl>& t, std::shared_ptr<TensorDecl> previous) {
+  auto pending = awaiting_.find(t->name);
+  if (pending != awaiting_.end()) {
+    auto& queue = pending->second;
+    queue.erase(std::remove(queue.begin(), queue.end(), t), queue.end());
+    if (queue.empty()) awaiting_.erase(pending);
+  }
+  auto it = current_.find(t->name);
+  if (it == current_.end() || it->second != t) return;
+  if (previous) it->second = std::move(previous);
+  else current_.erase(it);
+}
+
+std::vector<std::shared_ptr<TensorDecl>> TensorRegistry::WithdrawAwaiting() {
+  std::vector<std::shared_ptr<TensorDecl>> out;
+  for (auto& [name, queue] : awaiting_)
+    for (auto& t : queue) out.push_back(t);
+  awaiting_.clear();
+  for (auto& t : out) {
+    auto it = current_.find(t->name);
+    if (it != current_.end() && it->second == t) current_.erase(it);
+  }
+  return out;
 }
 
 std::shared_ptr<TensorDecl> TensorRegistry::Find(const std::string& name) const {

@@ -45,6 +45,11 @@ class TensorRegistry {
   // afresh. Throws FrameError for a malformed or unexpected reply.
   std::shared_ptr<TensorDecl> OnReply(const std::string& meta, int num_servers, std::string* error,
                                       Error::Kind* kind);
+  // Forgets a declaration whose reply will never come (the scheduler is gone); the
+  // name's current declaration is `previous` again (null: none).
+  void Withdraw(const std::shared_ptr<TensorDecl>& t, std::shared_ptr<TensorDecl> previous);
+  // Every declaration still waiting for its reply, forgotten as by Withdraw.
+  std::vector<std::shared_ptr<TensorDecl>> WithdrawAwaiting();
   // The current declaration of `name`, or null.
   std::shared_ptr<TensorDecl> Find(const std::string& name) const;
 

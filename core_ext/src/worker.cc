@@ -77,9 +77,7 @@ void Worker::Rendezvous() {
     Welcome w = control_.Connect(
         *transport_, transport_->Endpoint(opts_.scheduler_host, opts_.scheduler_port), me, opts_.rendezvous_timeout,
         [this](const FrameHeader& h, const std::string& m) { OnControl(h, m); },
-        [this](const std::string& why) {
-          if (!stopping_) Fail(Error::kPeer, why);
-        },
+        [this](const std::string& why) { OnSchedulerLost(why); },
         &stopping_);
     joined = true;
     rank_ = static_cast<int>(w.rank);
@@ -230,7 +228,12 @@ std::shared_ptr<TensorDecl> Worker::DeclareLocked(const OpRequest& req, int part
   if (!ready_) throw Error(Error::kGeneric, "the worker is not initialized; call init() first");
   std::string declare;
   const int64_t partition = req.partition_bytes > 0 ? req.partition_bytes : opts_.partition_bytes;
+  auto previous = scheduler_lost_.empty() ? nullptr : registry_.Find(req.name);
   auto t = registry_.Use(req, participants ? participants : size_, partition, link_.bytes_per_s, &declare);
+  if (!declare.empty() && !scheduler_lost_.empty()) {
+    registry_.Withdraw(t, previous);  // no reply can come: the name keeps what it had
+    throw Error(Error::kPeer, SchedulerGoneLocked("declaring tensor '" + req.name + "' (new, or a new shape or dtype)"));
+  }
   if (!declare.empty()) control_.Send(MsgType::kDeclare, declare);  // queued, not sent under mu_
   return t;
 }
@@ -255,69 +258,7 @@ int64_t Worker::Enqueue(const OpRequest& in) {
     mapped.root = RootRankLocked(in.root);
   }
   const OpRequest& req = map_root ? mapped : in;
-  if (req.op != Op::kSum && req.op != Op::kAverage && req.op != Op::kBroadcast)
-    throw Error(Error::kConfig, "op must be Op.SUM (0), Op.AVERAGE (1) or Op.BROADCAST (2). Received: " +
-                                    std::to_string(static_cast<int>(req.op)));
-  if (opts_.fault_tolerance && (req.dtype == DType::kCompressed || req.sparse_row_width || req.pull_only))
-    throw Error(Error::kConfig, "tensor '" + req.name + "': comm.fault_tolerance covers dense, uncompressed "
-                                "operations; compression and row-sparse operations do not combine with it yet");
-  if (req.dtype == DType::kCompressed && req.op != Op::kSum)
-    throw Error(Error::kConfig, "compressed tensors are push_pulled with Op.SUM: the servers re-encode the "
-                                "sum, and the adapter averages after decoding");
-  if (req.pull_only && (!KOfN() || req.op == Op::kBroadcast || req.participants != 0))
-    throw Error(Error::kConfig, "tensor '" + req.name + "': a catch-up pull (pull_only) needs k-of-n "
-                                "aggregation (comm.aggregate k:<K>) and a sum or an average over the whole job");
-  if (req.dtype == DType::kCompressed && KOfN())
-    throw Error(Error::kConfig, "comm.aggregate k:" + std::to_string(opts_.aggregate) +
-                                    " does not combine with compression yet: the adapter averages a "
-                                    "compressed sum over every worker; use comm.aggregate=all");
-  if (req.param == kParamInit || req.param == kParamUpdate) {
-    const std::string what = "tensor '" + req.name + "': server-held weights (comm.consistency ssp/async)";
-    ServerOptimizer parsed;
-    std::string bad;
-    if (consistency_.mode == ConsistencySpec::kSync)
-      bad = "comm.consistency is sync (set ssp:<s> or async on every worker)";
-    else if (req.dtype != DType::kFloat32)
-      bad = std::string("need fp32 tensors (keep fp32 master weights). Received: ") + DTypeName(req.dtype);
-    else if (req.param == kParamInit && (req.op != Op::kBroadcast || req.participants != 0))
-      bad = "an init is a broadcast over the whole job";
-    else if (req.param == kParamInit)
-      bad = ParseServerOptimizer(req.server_optimizer, &parsed);
-    else if (req.param != 2 || req.op != Op::kSum || req.participants != 0 || req.pull_only)
-      bad = "an update is a sum over the whole job (param 2)";
-    else if (!(req.lr >= 0) || !std::isfinite(req.lr))
-      bad = "the learning rate must be finite and >= 0. Received: " + std::to_string(req.lr);
-    if (!bad.empty()) throw Error(Error::kConfig, what + ": " + bad);
-  }
-  if (req.sparse_row_width) {
-    const uint64_t row = SparseRowBytes(req.sparse_row_width);
-    std::string bad;
-    const bool pull = req.param == kRowsPull;
-    RowTableSpec spec;
-    if (req.op != Op::kSum || req.participants != 0 || req.dtype != DType::kFloat32 || req.pull_only ||
-        (req.param != 0 && req.param != 4 && req.param != 5))
-      bad = "a row-sparse push_pull is an fp32 sum over the whole job";
-    else if (req.param && !(bad = ParseRowTableSpec(req.server_optimizer, &spec)).empty())
-      bad = "embedding table spec: " + bad;
-    else if (req.param == kRowsPush && (!(req.lr >= 0) || !std::isfinite(req.lr)))
-      bad = "the learning rate must be finite and >= 0";
-    else if (pull && (req.sparse_bytes % 8 != 0 || req.sparse_bytes > kMaxBodyLen))
-      bad = std::to_string(req.sparse_bytes) + " bytes are not whole 8-byte ids within the frame limit";
-    else if (!pull && (req.sparse_bytes % row != 0 || req.sparse_bytes > kMaxBodyLen))
-      bad = std::to_string(req.sparse_bytes) + " bytes are not whole rows (8-byte id + " +
-            std::to_string(req.sparse_row_width) + " floats) within the frame limit";
-    else if (req.shape != std::vector<int64_t>{req.sparse_row_width})
-      bad = "it is declared with shape {row_width}";
-    if (!bad.empty()) throw Error(Error::kConfig, "tensor '" + req.name + "': " + bad);
-  }
-  if (req.op == Op::kBroadcast && (req.root < 0 || req.root >= size_))
-    throw Error(Error::kConfig, "broadcast root must be in [0, " + std::to_string(size_) +
-                                    "). Received: root_rank=" + std::to_string(req.root));
-  for (int64_t d : req.shape)
-    if (d < 0) throw Error(Error::kConfig, "negative dimension in shape " + ShapeString(req.shape));
-  if (req.participants < 0 || req.participants > size_)
-    throw Error(Error::kConfig, "participants must be in [0, " + std::to_string(size_) +
-                                    "]. Received: participants=" + std::to_string(req.participants));
+  CheckRequest(req);
   // Compressed blobs cannot be summed byte-wise in shared memory, so every rank pushes
   // its own to the servers (they decode, sum and re-encode).
   if (group_ && req.op != Op::kBroadcast && req.participants == 0 && req.dtype != DType::kCompressed &&
@@ -359,6 +300,7 @@ int64_t Worker::EnqueueBarrier() {
   std::lock_guard<std::mutex> lk(mu_);
   if (failed_) throw Error(fail_kind_, "the engine failed earlier: " + fail_msg_);
   if (!ready_) throw Error(Error::kGeneric, "the worker is not initialized; call init() first");
+  if (!scheduler_lost_.empty()) throw Error(Error::kPeer, SchedulerGoneLocked("a barrier"));
   OpRequest barrier;
   barrier.name = "<barrier>";
   auto h = NewHandleLocked(barrier);
@@ -409,10 +351,10 @@ void Worker::OnDeclareReply(const std::string& meta) {
     std::string error;
     Error::Kind kind = Error::kMismatch;
     auto t = registry_.OnReply(meta, static_cast<int>(servers_.size()), &error, &kind);
+    if (!error.empty()) FailWaitingLocked(*t, kind, error);
     for (auto& h : t->waiting) {
       if (h->done) continue;  // failed meanwhile (shutdown, a dead peer)
-      if (!error.empty()) FailHandleLocked(h, kind, error);
-      else if (h->local_group) to_group.emplace_back(h, next_group_ticket_++);
+      if (h->local_group) to_group.emplace_back(h, next_group_ticket_++);
       else ScheduleLocked(h, *t);
     }
     t->waiting.clear();
@@ -460,11 +402,23 @@ void Worker::StartLocalGroup(uint64_t job_id) {
 
 void Worker::SenderLoop(DataConn* c) {
   SetupEngineThread("bps-send" + std::to_string(c->server), cpus_);
+  struct Exit {  // Shutdown waits (briefly) for the goodbyes
+    Worker* w;
+    ~Exit() {
+      std::lock_guard<std::mutex> lk(w->mu_);
+      ++w->senders_exited_;
+      w->cv_.notify_all();
+    }
+  } exit_note{this};
   for (;;) {
     SendTask t;
     {
       std::unique_lock<std::mutex> lk(mu_);
       send_cv_.wait(lk, [&] { return stopping_ || failed_ || policy_->Ready(c->server); });
+      if (stopping_ && !failed_ && opts_.fault_tolerance) {
+        lk.unlock();
+        return SendGoodbye(c);
+      }
       if (stopping_ || failed_) return;
       t = policy_->Pop(c->server);
       send_cv_.notify_all();  // another queue's head may now be the global next
@@ -521,6 +475,19 @@ void Worker::SenderLoop(DataConn* c) {
     t.op->bytes += t.len;
     if (trace_ && ++t.op->sent == t.op->total_parts) t.op->push_end_us = WallMicros();
     send_cv_.notify_all();
+  }
+}
+
+void Worker::SendGoodbye(DataConn* c) {
+  // Fault tolerance: tells the server this worker shut down cleanly. While the scheduler
+  // is gone, the server tells a finished worker from a dead one by this (server.cc).
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(MsgType::kGoodbye);
+  h.sender = rank_;
+  try {
+    c->link->Send(h);
+  } catch (const Error&) {
+    // The server is gone or going: nothing to tell.
   }
 }
 
@@ -630,7 +597,15 @@ void Worker::FailServerLost(const std::string& msg) {
     std::unique_lock<std::mutex> lk(mu_);
     cv_.wait_for(lk, std::chrono::seconds(1), [&] { return failed_ || stopping_.load(); });
   }
-  if (!stopping_) Fail(Error::kPeer, msg);
+  if (stopping_) return;
+  std::string why = msg;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!scheduler_lost_.empty())
+      why += " (the scheduler is gone too: without it the job cannot go on without a worker that died or left, "
+             "and the servers end it; their log names the worker)";
+  }
+  Fail(Error::kPeer, why);
 }
 
 void Worker::CompletePartLocked(const std::shared_ptr<OpHandle>& h) {
@@ -647,6 +622,11 @@ void Worker::CompletePartLocked(const std::shared_ptr<OpHandle>& h) {
     }
     cv_.notify_all();
   }
+}
+
+void Worker::FailWaitingLocked(TensorDecl& t, Error::Kind kind, const std::string& msg) {
+  for (auto& h : t.waiting)
+    if (!h->done) FailHandleLocked(h, kind, msg);  // else failed meanwhile (shutdown, a dead peer)
 }
 
 void Worker::FailHandleLocked(const std::shared_ptr<OpHandle>& h, Error::Kind kind, const std::string& msg) {
@@ -768,6 +748,10 @@ void Worker::Shutdown(const std::string& reason) {
     cv_.notify_all();
   }
   if (rendezvous_thread_.joinable()) rendezvous_thread_.join();
+  if (opts_.fault_tolerance) {  // the senders' goodbyes go out first (a blocked one gets 2 s)
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait_for(lk, std::chrono::seconds(2), [&] { return senders_exited_ >= conns_.size(); });
+  }
   for (auto& c : conns_) c->link->Shutdown();
   for (auto& c : conns_) {
     if (c->sender.joinable()) c->sender.join();

@@ -100,6 +100,10 @@ struct Membership {
   // unlike `epoch`, which each rank learns from the scheduler at its own moment.
   int64_t answered_epoch = 0;
   std::vector<int64_t> answered_departed;
+  // The scheduler's connection was lost (fault tolerance only; without it the loss fails
+  // the worker): training goes on, but barriers, new tensors and membership changes
+  // need the scheduler, so they fail.
+  bool scheduler_lost = false;
 };
 
 // Wall-clock microseconds (system_clock) of one finished operation's phases, recorded
@@ -195,20 +199,28 @@ class Worker {
   // averages over the whole job (participants 0) under k-of-n aggregation, else every
   // participant.
   int CompleteAt(const OpRequest& req) const;
+  // worker_request_checks.cc: throws Error(kConfig) for a request this job cannot run.
+  void CheckRequest(const OpRequest& req) const;
   bool KOfN() const { return opts_.aggregate > 0 && opts_.aggregate < size_; }
   // worker_membership.cc: kMembership from the scheduler; a broadcast root named in the
   // live numbering, as its rendezvous rank (under mu_).
   void OnMembership(const std::string& meta);
+  // The scheduler's connection broke: with fault tolerance the data path goes on (the
+  // servers still serve), without it the worker fails.
+  void OnSchedulerLost(const std::string& why);
+  std::string SchedulerGoneLocked(const std::string& what) const;
   int RootRankLocked(int live_root) const;
   void MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns);
   void OnControl(const FrameHeader& h, const std::string& meta);
   void OnDeclareReply(const std::string& meta);
   void ScheduleLocked(const std::shared_ptr<OpHandle>& h, TensorDecl& t);
   void SenderLoop(DataConn* c);
+  void SendGoodbye(DataConn* c);
   void ReceiverLoop(DataConn* c);
   void CompletePartLocked(const std::shared_ptr<OpHandle>& h);
   void FailHandleLocked(const std::shared_ptr<OpHandle>& h, Error::Kind kind, const std::string& msg);
   void Fail(Error::Kind kind, const std::string& msg);
+  void FailWaitingLocked(TensorDecl& t, Error::Kind kind, const std::string& msg);  // its unfinished ops
   void FailServerLost(const std::string& msg);  // a data connection broke
   void StartLocalGroup(uint64_t job_id);
   std::shared_ptr<TensorDecl> DeclareLocked(const OpRequest& req, int participants);
@@ -225,6 +237,7 @@ class Worker {
   int64_t answered_epoch_ = 0;     // under mu_: Membership::answered_epoch
   std::vector<int64_t> answered_departed_;  // under mu_
   std::atomic<bool> anyone_left_{false};
+  std::string scheduler_lost_;  // under mu_: why the scheduler's connection broke (fault tolerance)
   std::shared_ptr<Transport> transport_;
   std::vector<std::string> servers_;  // endpoints by server id
   std::vector<std::unique_ptr<DataConn>> conns_;
@@ -246,6 +259,7 @@ class Worker {
   std::unique_ptr<SendPolicy> policy_;  // made once the credit is known
   std::map<std::pair<uint64_t, uint64_t>, SendTask> in_flight_;  // pushed, reply pending
   std::deque<std::shared_ptr<OpHandle>> barrier_waiters_;
+  size_t senders_exited_ = 0;  // SenderLoop threads that returned
   int64_t next_handle_ = 1;
   WorkerStats stats_;
   // tensor id -> rounds the servers answered early (k-of-n): the newest answered + 1

@@ -27,6 +27,32 @@ void Worker::OnMembership(const std::string& meta) {
           " workers remain (membership " + std::to_string(epoch) + ")");
 }
 
+void Worker::OnSchedulerLost(const std::string& why) {
+  if (stopping_) return;
+  if (!opts_.fault_tolerance) return Fail(Error::kPeer, why);
+  int live = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (failed_ || !scheduler_lost_.empty()) return;
+    scheduler_lost_ = why;
+    live = size_ - static_cast<int>(departed_.size());
+    // No reply can come for a barrier or a declaration the scheduler had not answered.
+    for (auto& b : barrier_waiters_) FailHandleLocked(b, Error::kPeer, SchedulerGoneLocked("a barrier"));
+    barrier_waiters_.clear();
+    for (auto& t : registry_.WithdrawAwaiting())
+      FailWaitingLocked(*t, Error::kPeer, SchedulerGoneLocked("declaring tensor '" + t->name + "'"));
+  }
+  LogWarn("the scheduler is gone (" + why + "); fault tolerance: training goes on with the " + std::to_string(live) +
+          " workers in the job, but until it ends a worker that dies or hangs ends it, and barriers and new "
+          "tensors fail");
+}
+
+std::string Worker::SchedulerGoneLocked(const std::string& what) const {
+  return what + " needs the scheduler, which is gone (" + scheduler_lost_ +
+         "); fault tolerance keeps the job's push_pull of declared tensors running without it, but a scheduler "
+         "cannot be restarted into a running job";
+}
+
 void Worker::NoteAnsweredMembership(const std::string& meta) {
   MembershipNotice notice = ParseMembershipNotice(meta, size_);  // FrameError: the link drops
   std::lock_guard<std::mutex> lk(mu_);
@@ -42,6 +68,7 @@ Membership Worker::membership() {
   m.departed = departed_;
   m.answered_epoch = answered_epoch_;
   m.answered_departed = answered_departed_;
+  m.scheduler_lost = !scheduler_lost_.empty();
   m.live_size = size_ - static_cast<int>(departed_.size());
   m.live_rank = rank_ - static_cast<int>(std::lower_bound(departed_.begin(), departed_.end(), rank_) - departed_.begin());
   return m;

@@ -122,3 +122,116 @@ def test_without_fault_tolerance_the_same_death_still_fails_the_job():
     assert all(c.run_all(job))
     with pytest.raises(PeerError):
         c.close()
+
+
+def wait_for_scheduler_loss(workers, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not all(w.membership()["scheduler_lost"] for w in workers):
+        assert time.monotonic() < deadline, [w.membership() for w in workers]
+        time.sleep(0.02)
+
+
+def test_when_the_scheduler_dies_push_pull_goes_on_and_what_needs_it_fails_clearly():
+    c = InProcessCluster(2, 2, fault_tolerance=True)
+    try:
+        c.run_all(lambda r, w: push_pull(w, "g", np.full(8, r + 1.0, np.float32)))
+        c.scheduler.stop()  # its connections drop, as when the process dies
+        wait_for_scheduler_loss(c.workers)
+        for step in range(3):  # declared tensors keep going, over both servers
+            res = c.run_all(lambda r, w: push_pull(w, "g", np.full(8, r + step, np.float32), op=1))
+            assert all(np.array_equal(x, np.full(8, step + 0.5, np.float32)) for x in res), res
+
+        def what_needs_the_scheduler(r, w):
+            with pytest.raises(PeerError, match="a barrier needs the scheduler, which is gone"):
+                wait(w, w.enqueue_barrier())
+            with pytest.raises(PeerError, match="declaring tensor 'new'.*needs the scheduler"):
+                push_pull(w, "new", np.ones(2, np.float32))
+            with pytest.raises(PeerError, match="declaring tensor 'g'"):  # another shape: a new declaration
+                push_pull(w, "g", np.ones(3, np.float32))
+            return push_pull(w, "g", np.full(8, 2.0, np.float32))  # the engine did not fail
+
+        assert all(np.array_equal(x, np.full(8, 4.0, np.float32)) for x in c.run_all(what_needs_the_scheduler))
+        for w in c.workers:
+            w.shutdown()  # goodbyes on the data connections: the servers end cleanly
+        assert all(s.wait(5) for s in c.servers)  # True and no exception: not a failure
+    finally:
+        for s in c.servers:
+            s.stop()
+        c.scheduler.stop()
+
+
+def test_a_worker_that_vanishes_while_the_scheduler_is_gone_ends_the_job_with_its_name():
+    c, fake = cluster_with_a_fake()
+    try:
+        data = fake.data_link()  # connected to the server like the others
+        c.scheduler.stop()
+        wait_for_scheduler_loss(c.workers)
+        data.shutdown()  # dies: no goodbye, and no scheduler to take it out of the job
+        with pytest.raises(PeerError, match="worker 2 closed its connections without shutting down while the "
+                                            "scheduler was gone"):
+            c.servers[0].wait(5)
+        c.servers[0].stop()  # its process exits: the workers' connections drop
+
+        def job(rank, w):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with pytest.raises(PeerError) as e:
+                    push_pull(w, "x", np.ones(4, np.float32))
+                if "the scheduler is gone too" in str(e.value):  # the worker failed, saying why
+                    return True
+                time.sleep(0.05)
+            return str(e.value)
+
+        assert c.run_all(job) == [True, True]
+    finally:
+        for w in c.workers:
+            w.shutdown()
+        for s in c.servers:
+            s.stop()
+        c.scheduler.stop()
+
+
+def test_a_worker_that_said_goodbye_while_the_scheduler_is_gone_is_not_a_failure():
+    c, fake = cluster_with_a_fake()
+    try:
+        data = fake.data_link()
+        c.scheduler.stop()
+        wait_for_scheduler_loss(c.workers)
+        data.send(8, b"", sender=2)  # kGoodbye on the data connection: a clean shutdown
+        data.shutdown()
+        time.sleep(0.2)
+        assert not c.servers[0].wait(0.1)  # still serving the two others
+        for w in c.workers:
+            w.shutdown()
+        assert c.servers[0].wait(5)
+    finally:
+        for s in c.servers:
+            s.stop()
+        c.scheduler.stop()
+
+
+def test_without_fault_tolerance_the_scheduler_dying_fails_the_workers():
+    c = InProcessCluster(2, 1)
+    try:
+        c.run_all(lambda r, w: push_pull(w, "g", np.ones(4, np.float32)))
+        c.scheduler.stop()
+
+        def job(rank, w):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    push_pull(w, "g", np.ones(4, np.float32))
+                except PeerError as e:
+                    return str(e)
+                time.sleep(0.05)
+            return None
+
+        assert all(msg and "scheduler" in msg for msg in c.run_all(job))
+        with pytest.raises(PeerError):
+            c.servers[0].wait(5)
+    finally:
+        for w in c.workers:
+            w.shutdown()
+        for s in c.servers:
+            s.stop()
+        c.scheduler.stop()

@@ -1,7 +1,8 @@
 """A worker of the fault-tolerance jobs (test_fault_tolerance_jobs.py): a linear model
 trained with DistributedOptimizer for STEPS steps; with ``--fault kill|stop`` the worker of
 rank ``--victim`` kills (SIGKILL) or stops (SIGSTOP, resumed a few seconds later) itself
-just before step ``--at`` computes its gradient. Each survivor prints one ``FT_RESULT``
+just before step ``--at`` computes its gradient; with ``--fault scheduler`` it kills the
+job's scheduler (its launcher's child) instead and every worker finishes. Each survivor prints one ``FT_RESULT``
 line: its final parameters, rank()/size() before and after, the membership events its
 callback saw and each step's seconds (the step of the fault holds the detection)."""
 
@@ -28,9 +29,28 @@ def rank_data(rank, step):
     return x, x.sum(1, keepdim=True) * 0.5
 
 
+def kill_the_scheduler():
+    """SIGKILLs the launcher's scheduler: the sibling process whose DMLC_ROLE is scheduler."""
+    launcher = os.getppid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == launcher and b"DMLC_ROLE=scheduler" in env:
+            os.kill(int(entry), signal.SIGKILL)
+            return
+    raise RuntimeError("no scheduler process found beside this worker")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--fault", choices=("none", "kill", "stop"), default="none")
+    p.add_argument("--fault", choices=("none", "kill", "stop", "scheduler"), default="none")
     p.add_argument("--victim", type=int, default=2)
     p.add_argument("--at", type=int, default=5)
     args = p.parse_args(argv)
@@ -59,6 +79,8 @@ def main(argv=None):
             if args.fault == "stop":
                 subprocess.Popen(["sh", "-c", f"sleep 6; kill -CONT {os.getpid()}"])
                 os.kill(os.getpid(), signal.SIGSTOP)  # resumed: the job went on without it
+            if args.fault == "scheduler":
+                kill_the_scheduler()
         x, y = rank_data(me, step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -69,7 +91,8 @@ def main(argv=None):
     params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
     print("FT_RESULT " + json.dumps({"rank": me, "start": start, "end": [bps.rank(), bps.size()],
                                      "params": params, "events": events, "times": times,
-                                     "indices": indices}), flush=True)
+                                     "indices": indices,
+                                     "scheduler_alive": engine.membership()["scheduler_alive"]}), flush=True)
     bps.shutdown()
     return 0
 

@@ -38,13 +38,13 @@ def launch(fault, fault_tolerance=True, timeout=120):
     return proc, sorted(results, key=lambda r: r["rank"]), time.monotonic() - t0
 
 
-def replay():
+def replay(survivors_from=AT):
     """One process: SGD on the average of the gradients of the workers in the job."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
-        ranks = range(3) if step < AT else range(2)
+        ranks = range(3) if step < survivors_from else range(2)
         grads = []
         for r in ranks:
             model.zero_grad()
@@ -97,3 +97,21 @@ def test_survivors_finish_every_step_with_the_expected_parameters(fault):
 def test_without_fault_tolerance_a_killed_worker_fails_the_job():
     proc, results, _ = launch("kill", fault_tolerance=False)
     assert proc.returncode != 0 and results == [], (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_when_the_scheduler_is_killed_every_worker_finishes_without_it():
+    """Rank 2 SIGKILLs the scheduler before step AT: the data path needs no scheduler, so
+    all three workers finish every step with the parameters of a fault-free run, see
+    that it is gone, and the job (launcher, servers) ends cleanly."""
+    proc, results, _ = launch("scheduler")
+    out = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, out
+    assert [r["rank"] for r in results] == [0, 1, 2], out
+    want = replay(survivors_from=STEPS)  # nobody left
+    for r in results:
+        assert r["params"] == results[0]["params"], out
+        assert r["end"] == [r["rank"], 3] and r["events"] == [] and r["scheduler_alive"] is False, r
+    for got, ref in zip(results[0]["params"], want):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    assert "scheduler exited with code" in proc.stderr and "go on without it" in proc.stderr, out
