@@ -179,8 +179,11 @@ class UcxLink : public Link {
   // Waits for `request` (posted with `pending`) until `until` (epoch: forever); past it
   // the endpoint is closed, which completes the request, and *timed_out is set.
   // `receiving`: the request is state_'s receive in flight, forgotten before it is freed.
+  // `between_frames`: that receive is a frame's first message, so nothing of a frame is
+  // lost by giving up on it: past `until` it is cancelled and the link stays up (the
+  // contract of SetRecvTimeout, which a node waiting for its welcome in slices relies on).
   ucs_status_t Finish(ucs_status_ptr_t request, Pending& pending, Clock::time_point until, bool* timed_out,
-                      EpState* receiving = nullptr);
+                      EpState* receiving = nullptr, bool between_frames = false);
   // Waits for a request posted without a callback (flush, close) up to `seconds`.
   ucs_status_t Poll(ucs_status_ptr_t request, double seconds);
   // Posts an operation on the endpoint unless it is closed (then: UCS_ERR_CANCELED).
@@ -310,7 +313,7 @@ ucs_status_t UcxLink::Poll(ucs_status_ptr_t request, double seconds) {
 }
 
 ucs_status_t UcxLink::Finish(ucs_status_ptr_t request, Pending& pending, Clock::time_point until,
-                             bool* timed_out, EpState* receiving) {
+                             bool* timed_out, EpState* receiving, bool between_frames) {
   if (request == nullptr) return UCS_OK;  // done at once: no callback comes
   if (UCS_PTR_IS_ERR(request)) return UCS_PTR_STATUS(request);
   ctx_->Wake();
@@ -318,7 +321,14 @@ ucs_status_t UcxLink::Finish(ucs_status_ptr_t request, Pending& pending, Clock::
   auto done = [&] { return pending.done; };
   if (until == Clock::time_point{}) {
     pending.cv.wait(lk, done);
-  } else if (!pending.cv.wait_until(lk, until, done)) {
+  } else if (!pending.cv.wait_until(lk, until, done) && receiving && between_frames) {
+    lk.unlock();
+    receiving->CancelReceive();  // completes it as cancelled, unless the message won the race
+    ctx_->Wake();
+    lk.lock();
+    pending.cv.wait(lk, done);
+    *timed_out = pending.status == UCS_ERR_CANCELED;
+  } else if (!done()) {
     *timed_out = true;
     lk.unlock();
     Close(/*flush=*/false);  // completes the request with an error ...
@@ -401,7 +411,8 @@ bool UcxLink::RecvMessage(void* dst, size_t n, uint64_t tag, bool eof_ok, size_t
     }
     if (down_.load() || state_->error.load() != UCS_OK) state_->CancelReceive();  // closed meanwhile
   }
-  const ucs_status_t st = Finish(request, state_->received, ReceiveUntil(), &timed_out, state_);
+  const ucs_status_t st = Finish(request, state_->received, ReceiveUntil(), &timed_out, state_,
+                                 /*between_frames=*/tag == my_tag_);
   if (timed_out) throw Error(Error::kTimeout, "receive from " + peer_ + " timed out");
   if (st == UCS_ERR_MESSAGE_TRUNCATED) throw FrameError("a UCX message larger than its frame announced");
   if (st != UCS_OK) {

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bpstrain import _core
+from bpstrain.bench import _protocol as protocol
 from bpstrain.errors import BpsTimeoutError, PeerError
 from tests.engine.harness import InProcessCluster, push_pull
 
@@ -146,6 +147,33 @@ def test_nodes_that_waited_longer_than_the_peer_timeout_for_the_last_worker_are_
         beat.join()
         fakes[0].link.shutdown()
     close_failed(c)
+
+def test_a_receive_that_times_out_leaves_the_link_up(transport):
+    # A node waits for its welcome in 0.2 s slices: a slice that ends empty must not close
+    # its link (over UCX it once did, so nodes reconnected every 0.2 s until the last one
+    # came, and the churn of connection requests crashed UCX in a server on a loaded host).
+    sched = _core.Scheduler(2, 1, host="127.0.0.1", port=0, rendezvous_timeout=20, transport=transport)
+    sched.start()
+    early = _core.connect_raw(transport, "127.0.0.1", sched.port, handshake=True)
+    try:
+        early.send(HELLO, worker_hello(0))
+        for _ in range(3):
+            with pytest.raises(BpsTimeoutError):
+                early.recv(0.2)
+        assert sched.stats()["nodes"] == 1  # still registered: the link never dropped
+        late = [_core.connect_raw(transport, "127.0.0.1", sched.port, handshake=True, identity=who)
+                for who in ("worker", "server")]
+        late[0].send(HELLO, worker_hello(1))
+        late[1].send(HELLO, protocol.worker_hello(0, role=1))
+        frame = early.recv(10)
+        assert frame is not None and frame[0] == WELCOME, frame
+        assert MetaReader(frame[4]).take("<q") == 0
+        for link in late:
+            link.shutdown()
+    finally:
+        early.shutdown()
+        sched.stop()
+
 
 @pytest.mark.parametrize("meta", [b"\x01", s("x") + b"\x02\x00", s("x") + struct.pack("<I", 99)])
 def test_a_worker_that_sends_a_malformed_declare_is_dropped_and_named(meta, capfd):
