@@ -578,12 +578,15 @@ PYBIND11_MODULE(_core, m) {
             d["answered_epoch"] = m.answered_epoch;
             d["answered_departed"] = m.answered_departed;
             d["scheduler_lost"] = m.scheduler_lost;
+            d["joined"] = m.joined;
+            d["admitted_late"] = m.admitted_late;
             return d;
           },
           "Fault tolerance: {'epoch', 'departed' (rendezvous ranks that left), 'live_rank', 'live_size', "
           "'answered_epoch', 'answered_departed' (the membership the answers received so far were computed "
           "under: the same on every rank between two steps), 'scheduler_lost' (the job goes on without its "
-          "scheduler)}.")
+          "scheduler), 'joined' (ranks that joined at the newest admission), 'admitted_late' (this worker "
+          "joined the running job)}.")
       .def("wait_ready", &Worker::WaitReady, py::arg("seconds"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Worker::rank)
       .def_property_readonly("size", &Worker::size)
@@ -699,6 +702,8 @@ PYBIND11_MODULE(_core, m) {
           [](Worker& w, int64_t handle) { return py::bytes(w.TakeSparseResult(handle)); },
           py::arg("handle"), "The merged rows of a finished enqueue_sparse (once).")
       .def("enqueue_barrier", &Worker::EnqueueBarrier, py::call_guard<py::gil_scoped_release>())
+      .def("enqueue_admission", &Worker::EnqueueAdmission, py::call_guard<py::gil_scoped_release>(),
+           "Fault tolerance: an admission between steps; workers waiting to join the running job join here.")
       .def("poll", &Worker::Poll, py::arg("handle"))
       .def("wait", &Worker::WaitFor, py::arg("handle"), py::arg("seconds"),
            py::call_guard<py::gil_scoped_release>())

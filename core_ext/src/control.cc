@@ -111,9 +111,13 @@ Welcome ControlClient::Connect(Transport& transport, const std::string& endpoint
       if (wel.peer_keys.back().size() != 32) throw FrameError("a data-connection credential is not 32 bytes");
     }
     const uint32_t flags = rd.AtEnd() ? 0 : rd.U32();
-    if (flags & ~kWelcomeFaultTolerance) throw FrameError("unknown welcome flags " + std::to_string(flags));
+    if (flags & ~(kWelcomeFaultTolerance | kWelcomeJoining))
+      throw FrameError("unknown welcome flags " + std::to_string(flags));
     if (!rd.AtEnd()) throw FrameError("trailing bytes after the welcome");
     wel.fault_tolerance = (flags & kWelcomeFaultTolerance) != 0;
+    wel.joining = (flags & kWelcomeJoining) != 0;
+    if (wel.joining && (me.role != Role::kWorker || !wel.fault_tolerance))
+      throw FrameError("a join without fault tolerance, or for a server");
   } catch (const FrameError& e) {
     throw Error(Error::kPeer, std::string("malformed welcome from the scheduler: ") + e.what());
   }

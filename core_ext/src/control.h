@@ -47,10 +47,12 @@ struct Welcome {
   // comm.fault_tolerance, as the scheduler runs the job (kWelcomeFaultTolerance): a
   // server then keeps serving when the scheduler goes (server.cc, OnSchedulerLost).
   bool fault_tolerance = false;
+  bool joining = false;  // kWelcomeJoining: it joins the running job at the next admission
 };
 
 // Bits of the welcome's trailing flags word (absent: none).
 constexpr uint32_t kWelcomeFaultTolerance = 1;
+constexpr uint32_t kWelcomeJoining = 2;  // a worker taking the place of one that left (fault tolerance)
 
 // The largest job the control plane accepts (a welcome beyond it is malformed).
 constexpr int kMaxNodes = 1 << 16;

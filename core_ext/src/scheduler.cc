@@ -12,28 +12,6 @@ namespace bps {
 
 // A connected node. Frames to it go through its outbox (never sent under mu_); its
 // reader thread is ServeConnection.
-struct Scheduler::Node {
-  std::shared_ptr<Link> conn;
-  std::unique_ptr<Outbox> out;
-  std::string peer_ip;
-  Role role = Role::kWorker;
-  int64_t rank_hint = -1;
-  int64_t rank = -1;  // worker rank or server id once rendezvous completes
-  std::string endpoint;  // servers: where workers reach their data listener
-  std::string host;  // the host it runs on: DMLC_NODE_HOST or the address it came from
-  int64_t pid = 0;
-  std::string hostname;
-  int local_size = 1;    // workers: BYTEPS_LOCAL_SIZE of its host
-  std::string host_key;  // which machine it runs on: BPSTRAIN_HOST_ID or its address
-  bool goodbye = false;
-  bool registered = false;
-  Clock::time_point last_seen = Clock::now();
-
-  std::string Describe() const {
-    std::string who = std::string(RoleName(role)) + (rank >= 0 ? " " + std::to_string(rank) : "");
-    return who + " (pid " + std::to_string(pid) + " on " + hostname + ")";
-  }
-};
 
 Scheduler::Scheduler(const SchedulerOptions& opts)
     : opts_(opts), transport_(Transport::Get(opts.transport)), listener_(transport_->Listen(opts.host, opts.port)) {
@@ -164,6 +142,8 @@ bool Scheduler::Register(const std::shared_ptr<Node>& node) {
     node->out->Post(retry, MetaWriter().Str("the job's workers are shutting down").bytes());
     return false;
   }
+  if (rendezvous_done_ && node->role == Role::kWorker && opts_.fault_tolerance && failure_.empty())
+    return JoinLaterLocked(node);  // scheduler_membership.cc
   int have = 0;
   for (auto& n : nodes_) have += n->role == node->role;
   int want = WantLocked(node->role);
@@ -233,26 +213,14 @@ void Scheduler::CompleteRendezvousLocked() {
       n->rank = next;
     }
   }
-  std::vector<std::shared_ptr<Node>> servers(opts_.num_servers);
+  server_endpoints_.assign(opts_.num_servers, "");
   for (auto& n : nodes_)
-    if (n->role == Role::kServer) servers[n->rank] = n;
+    if (n->role == Role::kServer) server_endpoints_[n->rank] = n->endpoint;
   ComputeSharesLocked();
   for (auto& n : nodes_) {
-    MetaWriter w;
-    w.I64(n->rank).U32(num_workers_).U32(opts_.num_servers);
-    for (auto& s : servers) w.Str(s->endpoint);
-    w.I64(static_cast<int64_t>(job_id_));
-    // Pairwise data-connection credentials: only this worker and that server get
-    // HMAC(job key, worker, server), so no other node can act as either on that link.
-    const bool worker = n->role == Role::kWorker;
-    const int peers = worker ? opts_.num_servers : num_workers_;
-    w.U32(static_cast<uint32_t>(peers));
-    for (int p = 0; p < peers; ++p)
-      w.Str(HmacSha256(job_key_, MetaWriter().Str("data").I64(worker ? n->rank : p).I64(worker ? p : n->rank).bytes()));
-    w.U32(opts_.fault_tolerance ? kWelcomeFaultTolerance : 0);
     FrameHeader h;
     h.type = static_cast<uint16_t>(MsgType::kWelcome);
-    n->out->Post(h, w.bytes());  // a lost node: its reader thread reports it
+    n->out->Post(h, WelcomeMetaLocked(*n, 0));  // a lost node: its reader thread reports it
     // Heartbeats start with the welcome: a node that registered long before the last
     // worker (a server, while workers import their framework) has not been silent.
     n->last_seen = Clock::now();
@@ -260,6 +228,22 @@ void Scheduler::CompleteRendezvousLocked() {
   rendezvous_done_ = true;
   LogInfo("rendezvous complete: " + std::to_string(num_workers_) + " workers, " +
           std::to_string(opts_.num_servers) + " servers");
+}
+
+std::string Scheduler::WelcomeMetaLocked(const Node& n, uint32_t flags) const {
+  MetaWriter w;
+  w.I64(n.rank).U32(num_workers_).U32(opts_.num_servers);
+  for (const auto& endpoint : server_endpoints_) w.Str(endpoint);
+  w.I64(static_cast<int64_t>(job_id_));
+  // Pairwise data-connection credentials: only this worker and that server get
+  // HMAC(job key, worker, server), so no other node can act as either on that link.
+  const bool worker = n.role == Role::kWorker;
+  const int peers = worker ? opts_.num_servers : num_workers_;
+  w.U32(static_cast<uint32_t>(peers));
+  for (int p = 0; p < peers; ++p)
+    w.Str(HmacSha256(job_key_, MetaWriter().Str("data").I64(worker ? n.rank : p).I64(worker ? p : n.rank).bytes()));
+  w.U32(flags | (opts_.fault_tolerance ? kWelcomeFaultTolerance : 0));
+  return w.bytes();
 }
 
 void Scheduler::ServeConnection(std::shared_ptr<Link> raw, std::shared_ptr<HandshakeSlots::Slot> slot) {
@@ -321,10 +305,16 @@ void Scheduler::HandleFrame(const std::shared_ptr<Node>& node, const FrameHeader
       return HandleDeclare(node, meta);
     case MsgType::kBarrier: {
       std::lock_guard<std::mutex> lk(mu_);
-      if (node->role != Role::kWorker || node->goodbye)
+      if (h.arg == kAdmissionBarrier) return OnAdmissionBarrierLocked(node);
+      if (node->role != Role::kWorker || node->goodbye || node->joining)
         throw FrameError("a barrier from " + node->Describe() + ": only workers in the job take part in barriers");
       barrier_ranks_.push_back(node->rank);
       return TryReleaseBarrierLocked();
+    }
+    case MsgType::kMembershipAck: {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (node->role != Role::kServer) throw FrameError("a membership ack from " + node->Describe());
+      return OnMembershipAckLocked(node, h.key);
     }
     case MsgType::kGoodbye: {
       // An empty meta (or reason) is a clean shutdown; a reason is the exception that
@@ -366,6 +356,15 @@ void Scheduler::HandleDeclare(const std::shared_ptr<Node>& node, const std::stri
     if (dim < 0) throw FrameError("declare with a negative dimension");
   std::lock_guard<std::mutex> lk(mu_);
   if (node->role != Role::kWorker) throw FrameError("declare from a non-worker");
+  auto reg = registry_.find(name);
+  if (rejoined_.count(node->rank) && reg != registry_.end() && reg->second.decl == d && !pending_decls_.count(name)) {
+    // A worker that joined later declares what the others declared before it: answered
+    // alone, with the job's partition table (fault tolerance).
+    FrameHeader h;
+    h.type = static_cast<uint16_t>(MsgType::kDeclareReply);
+    node->out->Post(h, MetaWriter().Str(name).U32(0).bytes() + reg->second.placement);
+    return;
+  }
   pending_decls_[name][node->rank].push_back(d);
   TryCompleteDeclarationLocked(name);
 }
@@ -503,6 +502,7 @@ void Scheduler::OnDisconnect(const std::shared_ptr<Node>& node, const std::strin
   std::lock_guard<std::mutex> lk(mu_);
   if (stopping_ || finished_) return;
   if (node->role == Role::kWorker && node->goodbye) return;
+  if (node->joining) return ForgetJoinerLocked(node, why);
   if (!rendezvous_done_) {  // not part of a job yet: forget it, a replacement may come
     nodes_.erase(std::remove(nodes_.begin(), nodes_.end(), node), nodes_.end());
     LogWarn(node->Describe() + " left before the rendezvous completed");
@@ -510,34 +510,6 @@ void Scheduler::OnDisconnect(const std::shared_ptr<Node>& node, const std::strin
   }
   if (opts_.fault_tolerance && node->role == Role::kWorker && failure_.empty()) return DepartLocked(node, why);
   FailLocked(node->Describe() + " " + why + "; the job cannot continue");
-}
-
-void Scheduler::DepartLocked(const std::shared_ptr<Node>& node, const std::string& why) {
-  node->goodbye = true;  // out of barriers, goodbyes, heartbeat checks and worker broadcasts
-  departed_.push_back(node->rank);
-  ++membership_epoch_;
-  if (LiveWorkersLocked() == 0) return FailLocked(node->Describe() + " " + why + "; no worker is left in the job");
-  LogWarn(node->Describe() + " " + why + "; fault tolerance: the job goes on with " +
-          std::to_string(LiveWorkersLocked()) + " workers");
-  FrameHeader h;
-  h.type = static_cast<uint16_t>(MsgType::kMembership);
-  const std::string meta = MembershipNoticeMeta(static_cast<int64_t>(membership_epoch_), departed_);
-  // Servers first: they finish the rounds that now have every push they will get.
-  for (Role role : {Role::kServer, Role::kWorker})
-    for (auto& n : nodes_)
-      if (n->role == role && !(role == Role::kWorker && n->goodbye)) n->out->Post(h, meta);
-  // A hung worker that wakes up reads this notice first and stops (it names itself);
-  // its connection stays until then, so the notice is not lost with it.
-  node->out->Post(h, meta);
-  barrier_ranks_.erase(std::remove(barrier_ranks_.begin(), barrier_ranks_.end(), node->rank), barrier_ranks_.end());
-  std::vector<std::string> names;
-  for (auto& [name, pend] : pending_decls_) {
-    pend.erase(node->rank);
-    names.push_back(name);
-  }
-  for (const std::string& name : names) TryCompleteDeclarationLocked(name);
-  TryReleaseBarrierLocked();
-  TryTerminateLocked();
 }
 
 void Scheduler::TryReleaseBarrierLocked() {
@@ -596,6 +568,10 @@ void Scheduler::MonitorLoop() {
       if (silent > opts_.peer_timeout) {
         const std::string why = "sent no heartbeat for " + std::to_string(silent).substr(0, 4) +
                                 " s (hung or unreachable)";
+        if (n->joining) {
+          ForgetJoinerLocked(n, why);
+          break;  // nodes_ changed
+        }
         if (opts_.fault_tolerance && n->role == Role::kWorker) {
           DepartLocked(n, why);
           if (!failure_.empty()) break;

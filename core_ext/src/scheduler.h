@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -97,6 +98,17 @@ class Scheduler {
   // Fault tolerance: `node` (a worker) leaves the job; everyone hears the new membership
   // and whatever waited for it (barrier, declarations, goodbyes) is decided without it.
   void DepartLocked(const std::shared_ptr<Node>& node, const std::string& why);
+  // Fault tolerance, scheduler_membership.cc: a worker registering after rendezvous takes
+  // the place of one that left (its rank, its data credentials) and waits to join; it
+  // joins at the next admission (kAdmissionBarrier) of the workers in the job, once every
+  // server applied the new membership (kMembershipAck).
+  bool JoinLaterLocked(const std::shared_ptr<Node>& node);
+  void OnAdmissionBarrierLocked(const std::shared_ptr<Node>& node);
+  void TryAdmitLocked();
+  void OnMembershipAckLocked(const std::shared_ptr<Node>& server, uint64_t epoch);
+  void ForgetJoinerLocked(const std::shared_ptr<Node>& node, const std::string& why);
+  void PostMembershipLocked(Role role);  // the current membership, to every such node in the job
+  std::string WelcomeMetaLocked(const Node& n, uint32_t flags) const;
   int LiveWorkersLocked() const { return num_workers_ - static_cast<int>(departed_.size()); }
   // Answers the declarations of `name` once every rank that must has declared it.
   void TryCompleteDeclarationLocked(const std::string& name);
@@ -139,9 +151,40 @@ class Scheduler {
   int64_t next_tensor_id_ = 0;
   std::vector<int64_t> barrier_ranks_;  // workers waiting in the current barrier
   int goodbyes_ = 0;
-  std::vector<int64_t> departed_;  // fault tolerance: ranks that left, in order
+  std::vector<int64_t> departed_;  // fault tolerance: ranks out of the job (left, not rejoined)
   uint64_t membership_epoch_ = 0;
+  std::vector<std::string> server_endpoints_;  // by server id, from rendezvous on
+  std::vector<int64_t> admit_ranks_;           // workers in the job waiting in an admission
+  std::vector<std::shared_ptr<Node>> joining_;  // admitted, not yet announced to the workers
+  int acks_missing_ = 0;                        // servers yet to apply the join's membership
+  std::set<int64_t> rejoined_;  // ranks that joined after rendezvous: declarations answered alone
   uint64_t job_id_ = 0;
+};
+
+// One registered node's connection and what the scheduler knows of it.
+struct Scheduler::Node {
+  std::shared_ptr<Link> conn;
+  std::unique_ptr<Outbox> out;
+  std::string peer_ip;
+  Role role = Role::kWorker;
+  int64_t rank_hint = -1;
+  int64_t rank = -1;  // worker rank or server id once rendezvous completes
+  std::string endpoint;  // servers: where workers reach their data listener
+  std::string host;  // the host it runs on: DMLC_NODE_HOST or the address it came from
+  int64_t pid = 0;
+  std::string hostname;
+  int local_size = 1;    // workers: BYTEPS_LOCAL_SIZE of its host
+  std::string host_key;  // which machine it runs on: BPSTRAIN_HOST_ID or its address
+  bool goodbye = false;
+  bool registered = false;
+  bool joining = false;        // fault tolerance: registered after rendezvous, not in the job yet
+  bool ready_to_join = false;  // ... and waiting in an admission (its data links are up)
+  Clock::time_point last_seen = Clock::now();
+
+  std::string Describe() const {
+    std::string who = std::string(RoleName(role)) + (rank >= 0 ? " " + std::to_string(rank) : "");
+    return who + " (pid " + std::to_string(pid) + " on " + hostname + ")";
+  }
 };
 
 }  // namespace bps

@@ -460,6 +460,10 @@ void Server::Process(EngineThread* et, Task& t) {
   if (Departed(et, p.sender))
     return Reject(t, "worker " + std::to_string(p.sender) + " left the job (comm.fault_tolerance: the others went "
                      "on without it); its pushes are refused, it must rejoin");
+  if (StaleAfterRejoin(et, p))
+    return Reject(t, "worker " + std::to_string(p.sender) + " pushed round " + std::to_string(p.version) +
+                     " of partition " + std::to_string(p.key) + ", from before that rank rejoined the job: a "
+                     "stale process of a replaced worker is refused, not merged");
   if (p.param == kParamUpdate) return ProcessParamUpdate(et, t);
   if (p.param == kSparseRows || p.param == kRowsPush) return ProcessSparse(et, t);
   if (p.param == kRowsPull) return ProcessRowsPull(et, t);

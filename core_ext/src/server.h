@@ -139,6 +139,7 @@ class Server {
     // membership's epoch (reduced answers carry both).
     std::vector<int64_t> departed;
     int64_t membership_epoch = 0;
+    std::map<int64_t, uint64_t> rejoined_from;  // rank -> its first round number after it rejoined
     // rounds, finished and held together, for stats() from other threads
     std::atomic<int64_t> pending{0};
     std::thread thread;
@@ -170,6 +171,8 @@ class Server {
   // A thread's share of a membership change: refit and, where complete, answer its rounds.
   void ApplyMembership(EngineThread* et);
   bool Departed(const EngineThread* et, int rank) const;
+  // A push of a rank that rejoined, numbered before it rejoined (a stale process).
+  bool StaleAfterRejoin(const EngineThread* et, const Push& p) const;
   // A kFlagReduced answer's meta: the membership this thread fitted the round to.
   std::string ReducedAnswerMeta(const EngineThread* et) const;
   // A whole-job round waits for every worker still in the job plus those that left after
@@ -200,6 +203,7 @@ class Server {
   int num_workers_ = 0;
   std::vector<int64_t> departed_;  // under mu_: the newest membership (kMembership)
   int64_t membership_epoch_ = 0;   // under mu_
+  std::map<int64_t, uint64_t> rejoined_from_;  // under mu_: EngineThread::rejoined_from
   bool welcomed_ = false;          // under mu_: num_workers_ and fault_tolerance_ are set
   bool fault_tolerance_ = false;   // the scheduler runs the job with comm.fault_tolerance
   std::string scheduler_lost_;     // under mu_: why the scheduler's connection broke

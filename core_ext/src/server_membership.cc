@@ -13,14 +13,22 @@ namespace bps {
 void Server::OnMembership(const std::string& meta) {
   MembershipNotice notice = ParseMembershipNotice(meta, num_workers_);
   const int64_t epoch = notice.epoch;
+  bool joined = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (epoch <= membership_epoch_) return;  // an older notice
     membership_epoch_ = epoch;
+    for (int64_t r : departed_)
+      if (!std::binary_search(notice.departed.begin(), notice.departed.end(), r)) {
+        rejoined_from_[r] = static_cast<uint64_t>(epoch) << kJoinVersionShift;
+        joined = true;
+      }
     departed_ = std::move(notice.departed);
   }
-  LogWarn("workers left the job (fault tolerance, membership " + std::to_string(epoch) +
-          "): rounds now wait for the others");
+  LogWarn(joined ? "workers joined the job (fault tolerance, membership " + std::to_string(epoch) +
+                       "): rounds from now on wait for them too"
+                 : "workers left the job (fault tolerance, membership " + std::to_string(epoch) +
+                       "): rounds now wait for the others");
   for (auto& e : engines_) {
     std::lock_guard<std::mutex> lk(e->mu);
     Task t;
@@ -28,6 +36,15 @@ void Server::OnMembership(const std::string& meta) {
     e->queue.push_back(std::move(t));
     e->cv.notify_one();
   }
+  // Every engine thread applies it before any push queued after this: a worker that
+  // hears of a join only after this ack (the scheduler waits for every server's) finds
+  // it applied here.
+  control_.Send(MsgType::kMembershipAck, "", static_cast<uint64_t>(epoch));
+}
+
+bool Server::StaleAfterRejoin(const EngineThread* et, const Push& p) const {
+  auto it = et->rejoined_from.find(p.sender);
+  return it != et->rejoined_from.end() && p.version < it->second;
 }
 
 void Server::OnSchedulerLost(const std::string& why) {
@@ -110,6 +127,7 @@ void Server::ApplyMembership(EngineThread* et) {
     std::lock_guard<std::mutex> lk(mu_);
     et->departed.assign(departed_.begin(), departed_.end());
     et->membership_epoch = membership_epoch_;
+    et->rejoined_from = rejoined_from_;
   }
   for (auto it = et->rounds.begin(); it != et->rounds.end();) {
     auto next = std::next(it);

@@ -23,6 +23,7 @@ std::shared_ptr<TensorDecl> TensorRegistry::Use(const OpRequest& req, int partic
   t->device = req.device;
   t->layout = req.layout;
   t->participants = participants;
+  t->next_version = version_base_;
   MetaWriter w;
   w.Str(t->name).U32(static_cast<uint32_t>(t->dtype)).I64Vec(t->shape).I64(partition_bytes);
   w.U32(static_cast<uint32_t>(t->participants));
@@ -106,6 +107,11 @@ std::vector<std::shared_ptr<TensorDecl>> TensorRegistry::WithdrawAwaiting() {
     if (it != current_.end() && it->second == t) current_.erase(it);
   }
   return out;
+}
+
+void TensorRegistry::RestartVersions(uint64_t base) {
+  version_base_ = base;
+  for (auto& [name, t] : current_) t->next_version = base;
 }
 
 std::shared_ptr<TensorDecl> TensorRegistry::Find(const std::string& name) const {

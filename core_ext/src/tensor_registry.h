@@ -50,12 +50,16 @@ class TensorRegistry {
   void Withdraw(const std::shared_ptr<TensorDecl>& t, std::shared_ptr<TensorDecl> previous);
   // Every declaration still waiting for its reply, forgotten as by Withdraw.
   std::vector<std::shared_ptr<TensorDecl>> WithdrawAwaiting();
+  // Fault tolerance, a worker joined: every tensor's rounds are numbered from `base` on
+  // (kJoinVersionShift), those declared later too.
+  void RestartVersions(uint64_t base);
   // The current declaration of `name`, or null.
   std::shared_ptr<TensorDecl> Find(const std::string& name) const;
 
  private:
   std::unordered_map<std::string, std::shared_ptr<TensorDecl>> current_;
   std::unordered_map<std::string, std::deque<std::shared_ptr<TensorDecl>>> awaiting_;
+  uint64_t version_base_ = 0;
 };
 
 }  // namespace bps

@@ -12,7 +12,7 @@ void CheckHeader(const FrameHeader& h, uint64_t max_body, uint32_t max_meta) {
       return std::string(b);
     }() + " (not a bpstrain peer?)");
   if (h.type < static_cast<uint16_t>(MsgType::kHello) ||
-      h.type > static_cast<uint16_t>(MsgType::kMembership))
+      h.type > static_cast<uint16_t>(MsgType::kMembershipAck))
     throw FrameError("unknown frame type " + std::to_string(h.type));
   if (h.meta_len > max_meta)
     throw FrameError("metadata of " + std::to_string(h.meta_len) + " bytes exceeds the limit of " +
@@ -34,8 +34,9 @@ MembershipNotice ParseMembershipNotice(const std::string& meta, int num_workers)
   if (!r.AtEnd()) throw FrameError("membership notice with trailing bytes");
   if (n.epoch < 1) throw FrameError("membership notice of epoch " + std::to_string(n.epoch));
   std::sort(n.departed.begin(), n.departed.end());
-  if (n.departed.empty() || static_cast<int>(n.departed.size()) >= num_workers || n.departed.front() < 0 ||
-      n.departed.back() >= num_workers || std::adjacent_find(n.departed.begin(), n.departed.end()) != n.departed.end())
+  if (static_cast<int>(n.departed.size()) >= num_workers ||
+      (!n.departed.empty() && (n.departed.front() < 0 || n.departed.back() >= num_workers)) ||
+      std::adjacent_find(n.departed.begin(), n.departed.end()) != n.departed.end())
     throw FrameError("membership notice naming workers outside the job or twice");
   return n;
 }

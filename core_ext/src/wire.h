@@ -45,9 +45,20 @@ enum class MsgType : uint16_t {
   kAuthOk = 20,       // acceptor -> connecting side: accepted (the first authenticated frame)
   kRetryLater = 21,   // scheduler -> node: this job is ending (workers shut down); reconnect
                       // for the next one (a launcher restarts the roles; see roles.py)
-  kMembership = 22,   // scheduler -> servers, workers (comm.fault_tolerance): workers left;
-                      // meta: u64 epoch, i64 vector of every rank that left so far
+  kMembership = 22,   // scheduler -> servers, workers (comm.fault_tolerance): workers left or
+                      // rejoined; meta: u64 epoch, i64 vector of every rank out of the job now
+  kMembershipAck = 23,  // server -> scheduler: applied the kMembership of epoch `key` (a
+                        // join is announced to the workers only after every server has)
 };
+
+// kBarrier / kBarrierReply `arg`: an ordinary barrier, or an admission (Worker::
+// EnqueueAdmission): the workers in the job and those waiting to join meet there, and the
+// waiting ones join (fault tolerance).
+constexpr int64_t kAdmissionBarrier = 1;
+// A worker that joins at membership epoch E, and every worker with it, numbers the rounds
+// of each tensor from E << kJoinVersionShift on: rounds of before the join (a stale
+// process of the same rank) never match a round after it.
+constexpr int kJoinVersionShift = 32;
 
 // Flags of kPush frames.
 enum PushFlags : uint16_t {
@@ -172,8 +183,9 @@ class MetaReader {
   size_t pos_ = 0;
 };
 
-// A kMembership notice, checked (it came off the network): its epoch, and the ranks that
-// left so far, ascending, each in [0, num_workers) once, fewer than num_workers.
+// A kMembership notice, checked (it came off the network): its epoch, and the ranks out
+// of the job now (left, not rejoined), ascending, each in [0, num_workers) once, fewer
+// than num_workers (none after every one that left rejoined).
 struct MembershipNotice {
   int64_t epoch = 0;
   std::vector<int64_t> departed;

@@ -80,6 +80,10 @@ void Worker::Rendezvous() {
         [this](const std::string& why) { OnSchedulerLost(why); },
         &stopping_);
     joined = true;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      joining_ = w.joining;
+    }
     rank_ = static_cast<int>(w.rank);
     size_ = w.num_workers;
     servers_ = w.servers;
@@ -111,7 +115,7 @@ void Worker::Rendezvous() {
       }
     }
     MeasureLinks(conns);
-    std::lock_guard<std::mutex> lk(mu_);
+    std::unique_lock<std::mutex> lk(mu_);
     if (stopping_) return;
     policy_ = std::make_unique<SendPolicy>(static_cast<int>(servers_.size()), opts_.priority, credit_);
     conns_ = std::move(conns);
@@ -121,6 +125,12 @@ void Worker::Rendezvous() {
       p->receiver = std::thread([this, p] { ReceiverLoop(p); });
     }
     if (UseHierarchy()) StartLocalGroup(w.job_id);
+    if (joining_) {
+      lk.unlock();
+      WaitForAdmission();  // worker_membership.cc
+      lk.lock();
+      if (stopping_ || failed_) return;
+    }
     ready_ = true;
     cv_.notify_all();
   } catch (const Error& e) {
@@ -298,16 +308,21 @@ int64_t Worker::Enqueue(const OpRequest& in) {
 
 int64_t Worker::EnqueueBarrier() {
   std::lock_guard<std::mutex> lk(mu_);
+  return EnqueueBarrierLocked(0);
+}
+
+int64_t Worker::EnqueueBarrierLocked(int64_t kind) {
   if (failed_) throw Error(fail_kind_, "the engine failed earlier: " + fail_msg_);
   if (!ready_) throw Error(Error::kGeneric, "the worker is not initialized; call init() first");
-  if (!scheduler_lost_.empty()) throw Error(Error::kPeer, SchedulerGoneLocked("a barrier"));
+  if (!scheduler_lost_.empty())
+    throw Error(Error::kPeer, SchedulerGoneLocked(kind == kAdmissionBarrier ? "an admission" : "a barrier"));
   OpRequest barrier;
-  barrier.name = "<barrier>";
+  barrier.name = kind == kAdmissionBarrier ? "<admission>" : "<barrier>";
   auto h = NewHandleLocked(barrier);
   h->enqueued_us = 0;
   h->barrier = true;
   barrier_waiters_.push_back(h);
-  control_.Send(MsgType::kBarrier);
+  control_.Send(MsgType::kBarrier, "", 0, kind);
   return h->id;
 }
 
@@ -648,6 +663,12 @@ void Worker::Fail(Error::Kind kind, const std::string& msg) {
     if (!h->done) FailHandleLocked(h, kind, msg);
   cv_.notify_all();
   send_cv_.notify_all();
+}
+
+int Worker::RunningOpsLocked() const {
+  int running = 0;
+  for (const auto& [id, h] : handles_) running += !h->done && !h->barrier;
+  return running;
 }
 
 bool Worker::Poll(int64_t id) {

@@ -104,6 +104,8 @@ struct Membership {
   // the worker): training goes on, but barriers, new tensors and membership changes
   // need the scheduler, so they fail.
   bool scheduler_lost = false;
+  std::vector<int64_t> joined;  // rendezvous ranks that joined at the newest admission
+  bool admitted_late = false;   // this worker joined the running job (in a place that was free)
 };
 
 // Wall-clock microseconds (system_clock) of one finished operation's phases, recorded
@@ -162,6 +164,10 @@ class Worker {
   // Queues an operation; returns a handle. Throws Error if the engine has failed.
   int64_t Enqueue(const OpRequest& req);
   int64_t EnqueueBarrier();
+  // Fault tolerance: an admission, between steps (nothing in flight). Every worker in the
+  // job calls it; workers waiting to join (a restarted or a new DMLC_ROLE=worker
+  // process) join there. The handle completes once they are in (membership().joined).
+  int64_t EnqueueAdmission();
   // True when done (the handle is then released). Throws the op's error (releasing it).
   bool Poll(int64_t handle);
   bool WaitFor(int64_t handle, double seconds);
@@ -208,6 +214,10 @@ class Worker {
   // The scheduler's connection broke: with fault tolerance the data path goes on (the
   // servers still serve), without it the worker fails.
   void OnSchedulerLost(const std::string& why);
+  // A worker welcomed into a running job waits until the others admit it (or times out).
+  void WaitForAdmission();
+  int64_t EnqueueBarrierLocked(int64_t kind);  // kind: 0 or kAdmissionBarrier
+  int RunningOpsLocked() const;  // operations (not barriers) not done yet
   std::string SchedulerGoneLocked(const std::string& what) const;
   int RootRankLocked(int live_root) const;
   void MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns);
@@ -238,6 +248,9 @@ class Worker {
   std::vector<int64_t> answered_departed_;  // under mu_
   std::atomic<bool> anyone_left_{false};
   std::string scheduler_lost_;  // under mu_: why the scheduler's connection broke (fault tolerance)
+  bool joining_ = false;         // under mu_: welcomed into a running job, waiting for the admission
+  bool admitted_late_ = false;   // under mu_: ... and admitted
+  std::vector<int64_t> joined_;  // under mu_: Membership::joined
   std::shared_ptr<Transport> transport_;
   std::vector<std::string> servers_;  // endpoints by server id
   std::vector<std::unique_ptr<DataConn>> conns_;

@@ -11,20 +11,66 @@ namespace bps {
 void Worker::OnMembership(const std::string& meta) {
   MembershipNotice notice = ParseMembershipNotice(meta, size_);
   const int64_t epoch = notice.epoch;
-  bool me = false;
+  bool me = false, join = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (epoch <= membership_epoch_) return;
     membership_epoch_ = epoch;
+    std::vector<int64_t> joined;
+    for (int64_t r : departed_)
+      if (!std::binary_search(notice.departed.begin(), notice.departed.end(), r)) joined.push_back(r);
+    me = std::binary_search(notice.departed.begin(), notice.departed.end(), static_cast<int64_t>(rank_));
+    if (joining_ && !me) {  // this worker's own admission: it hears of no membership before
+      joined.push_back(rank_);
+      joining_ = false;
+      admitted_late_ = true;
+    }
     departed_ = std::move(notice.departed);
-    me = std::binary_search(departed_.begin(), departed_.end(), static_cast<int64_t>(rank_));
     anyone_left_.store(true);
+    join = !joined.empty();
+    if (join) {
+      // Everyone is at the admission, nothing in flight: rounds restart together at a
+      // number no round of before the join had, and the answers from now on are computed
+      // under this membership on every rank.
+      joined_ = std::move(joined);
+      registry_.RestartVersions(static_cast<uint64_t>(epoch) << kJoinVersionShift);
+      answered_epoch_ = epoch;
+      answered_departed_ = departed_;
+    }
+    cv_.notify_all();
   }
   if (me)  // declared gone while it hung: the others went on, its pushes are refused
     return Fail(Error::kPeer, "this worker (rank " + std::to_string(rank_) + ") was declared gone by the scheduler "
                               "(no heartbeat: hung or cut off) and the job went on without it; restart it to rejoin");
-  LogWarn("fault tolerance: " + std::to_string(size_ - static_cast<int>(departed_.size())) +
-          " workers remain (membership " + std::to_string(epoch) + ")");
+  LogWarn("fault tolerance: " + std::to_string(size_ - static_cast<int>(departed_.size())) + " workers " +
+          (join ? "after a join" : "remain") + " (membership " + std::to_string(epoch) + ")");
+}
+
+void Worker::WaitForAdmission() {
+  std::unique_lock<std::mutex> lk(mu_);
+  LogInfo("joining the running job in the place of worker " + std::to_string(rank_) +
+          ": waiting for the others' next admission (their state.commit() or engine.admit())");
+  control_.Send(MsgType::kBarrier, "", 0, kAdmissionBarrier);
+  const bool done = cv_.wait_for(lk, std::chrono::duration<double>(opts_.rendezvous_timeout),
+                                 [&] { return admitted_late_ || failed_ || stopping_.load(); });
+  if (!done) {
+    lk.unlock();
+    Fail(Error::kTimeout, "the job did not admit this worker within " +
+                              std::to_string(static_cast<int>(opts_.rendezvous_timeout)) +
+                              " s (comm.rendezvous_timeout): the workers in the job admit joiners between steps, "
+                              "at state.commit() or engine.admit()");
+  }
+}
+
+int64_t Worker::EnqueueAdmission() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!opts_.fault_tolerance)
+    throw Error(Error::kConfig, "an admission (workers joining a running job) needs comm.fault_tolerance");
+  if (const int running = RunningOpsLocked())
+    throw Error(Error::kConfig, "an admission goes between steps: " + std::to_string(running) +
+                                    " operations of this worker are still running (synchronize them first)");
+  joined_.clear();
+  return EnqueueBarrierLocked(kAdmissionBarrier);
 }
 
 void Worker::OnSchedulerLost(const std::string& why) {
@@ -69,6 +115,8 @@ Membership Worker::membership() {
   m.answered_epoch = answered_epoch_;
   m.answered_departed = answered_departed_;
   m.scheduler_lost = !scheduler_lost_.empty();
+  m.joined = joined_;
+  m.admitted_late = admitted_late_;
   m.live_size = size_ - static_cast<int>(departed_.size());
   m.live_rank = rank_ - static_cast<int>(std::lower_bound(departed_.begin(), departed_.end(), rank_) - departed_.begin());
   return m;

@@ -5,12 +5,15 @@ worker the test plays), so the fault is deterministic; without fault tolerance t
 faults fail the job (test_faults.py)."""
 
 import struct
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from bpstrain.errors import BpsError, PeerError
+from bpstrain import _core
+from bpstrain.errors import BpsError, ConfigError, PeerError
 from tests.engine.harness import InProcessCluster, push_pull, wait
 from tests.engine.test_faults import PUSH, FakeWorker
 
@@ -235,3 +238,102 @@ def test_without_fault_tolerance_the_scheduler_dying_fails_the_workers():
         for s in c.servers:
             s.stop()
         c.scheduler.stop()
+
+
+def joiner(c, rank_hint=-1):
+    """A real worker started after rendezvous: it waits to join in a free place."""
+    w = _core.Worker("127.0.0.1", c.scheduler_port, rank_hint=rank_hint, rendezvous_timeout=20, numa="off",
+                     fault_tolerance=True, transport=c.transport)
+    w.start()
+    return w
+
+
+def admit_until_joined(workers, want, timeout=10):
+    """Admissions among `workers` (between steps) until the joiners got in."""
+    deadline = time.monotonic() + timeout
+    while True:
+        c_joined = [None] * len(workers)
+
+        def admit(i, w):
+            wait(w, w.enqueue_admission())
+            c_joined[i] = list(w.membership()["joined"])
+
+        threads = [threading.Thread(target=admit, args=(i, w)) for i, w in enumerate(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        if c_joined == [want] * len(workers):
+            return
+        assert c_joined == [[]] * len(workers), c_joined  # every rank sees the same admission
+        assert time.monotonic() < deadline, "nobody joined"
+        time.sleep(0.05)
+
+
+def test_a_worker_joins_in_the_place_of_a_hung_one_and_the_stale_process_is_refused():
+    c, fake = cluster_with_a_fake(peer_timeout=2)
+    new = None
+    try:
+        zombie = fake.data_link()  # then silence: declared gone after the peer timeout
+        res = c.run_all(lambda r, w: push_pull(w, "g", np.full(4, r + 1.0, np.float32)))
+        assert all(np.array_equal(x, np.full(4, 3.0, np.float32)) for x in res)  # 1 + 2: rank 2 left
+        new = joiner(c, rank_hint=2)
+        assert not new.wait_ready(0.3)  # welcomed, waiting for an admission
+        admit_until_joined(c.workers, [2])
+        assert new.wait_ready(10)
+        m = new.membership()
+        assert (m["admitted_late"], m["live_size"], m["live_rank"], list(m["departed"])) == (True, 3, 2, [])
+        everyone = [*c.workers, new]
+        assert all(w.membership()["live_size"] == 3 and w.membership()["answered_departed"] == [] for w in everyone)
+
+        def step(rank, w):  # a tensor declared before the join, a new one, a broadcast to the joiner
+            g = push_pull(w, "g", np.full(4, rank + 1.0, np.float32))
+            h = push_pull(w, "h", np.full(2, 10.0 * (rank + 1), np.float32), op=1)
+            b = push_pull(w, "b", np.full(3, 7.0 if rank == 0 else -1.0, np.float32), op=2, root=0)
+            return g, h, b
+
+        with ThreadPoolExecutor(3) as pool:
+            out = list(pool.map(lambda w: step(w.rank, w), everyone))
+        for g, h, b in out:
+            assert np.array_equal(g, np.full(4, 6.0, np.float32)), out  # 1 + 2 + 3: it counts
+            assert np.array_equal(h, np.full(2, 20.0, np.float32)) and np.array_equal(b, np.full(3, 7.0, np.float32))
+        # The hung process of rank 2 wakes up and pushes a round of before the join: refused.
+        zombie.send(PUSH, struct.pack("<I", 3), body=np.ones(4, np.float32).tobytes(),
+                    key=0, version=1, arg=16, flags=2 << 8, sender=2)
+        reply = zombie.recv(10)
+        assert reply is not None and b"from before that rank rejoined" in reply[4], reply
+        with ThreadPoolExecutor(3) as pool:  # and nothing of it was merged
+            out = list(pool.map(lambda w: push_pull(w, "g", np.full(4, 1.0, np.float32)), everyone))
+        assert all(np.array_equal(x, np.full(4, 3.0, np.float32)) for x in out), out
+        fake.link.shutdown()
+    finally:
+        if new is not None:
+            new.shutdown()
+        c.close()
+
+
+def test_a_worker_cannot_join_a_job_that_has_all_its_workers():
+    c = InProcessCluster(2, 1, fault_tolerance=True)
+    with c:
+        w = joiner(c)
+        with pytest.raises(ConfigError, match="already has all 2 workers; a worker joins a running job only in the "
+                                              "place of one that left"):
+            while not w.wait_ready(0.1):
+                pass
+        w.shutdown()
+
+
+def test_an_admission_needs_the_steps_finished_and_fault_tolerance():
+    c = InProcessCluster(2, 1)
+    with c:
+        with pytest.raises(ConfigError, match="needs comm.fault_tolerance"):
+            c.workers[0].enqueue_admission()
+    c = InProcessCluster(2, 1, fault_tolerance=True)
+    with c:
+        x, out = np.ones(4, np.float32), np.empty(4, np.float32)
+        h = c.workers[0].enqueue("x", "float32", [4], x, out, 0, 0, 0)  # rank 1 has not pushed yet
+        with pytest.raises(ConfigError, match="an admission goes between steps: 1 operations"):
+            c.workers[0].enqueue_admission()
+        push_pull(c.workers[1], "x", x)
+        wait(c.workers[0], h)
+        assert np.array_equal(out, np.full(4, 2.0, np.float32))

@@ -1,0 +1,163 @@
+// Fault tolerance in the scheduler (comm.fault_tolerance): workers leave the job
+// (DepartLocked: dead, hung, stopped by an exception) and join it in the place of one
+// that left (JoinLaterLocked, then an admission). The membership is one list, the ranks
+// out of the job now, with an epoch that grows at each change (kMembership).
+//
+// A join is admitted only where every worker in the job waits for it (an admission
+// barrier, between steps: nothing in flight) and after every server applied the new
+// membership: a round of the new membership then counts the joiner everywhere, and all
+// workers restart their round numbers at epoch << kJoinVersionShift together.
+#include <algorithm>
+
+#include "scheduler.h"
+
+namespace bps {
+
+void Scheduler::DepartLocked(const std::shared_ptr<Node>& node, const std::string& why) {
+  node->goodbye = true;  // out of barriers, goodbyes, heartbeat checks and worker broadcasts
+  departed_.push_back(node->rank);
+  ++membership_epoch_;
+  if (LiveWorkersLocked() == 0) return FailLocked(node->Describe() + " " + why + "; no worker is left in the job");
+  LogWarn(node->Describe() + " " + why + "; fault tolerance: the job goes on with " +
+          std::to_string(LiveWorkersLocked()) + " workers");
+  // Servers first: they finish the rounds that now have every push they will get.
+  PostMembershipLocked(Role::kServer);
+  PostMembershipLocked(Role::kWorker);
+  // A hung worker that wakes up reads this notice first and stops (it names itself);
+  // its connection stays until then, so the notice is not lost with it.
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(MsgType::kMembership);
+  node->out->Post(h, MembershipNoticeMeta(static_cast<int64_t>(membership_epoch_), departed_));
+  // A join waiting for the servers' acks now waits for their acks of this membership.
+  if (acks_missing_ > 0) acks_missing_ = opts_.num_servers;
+  barrier_ranks_.erase(std::remove(barrier_ranks_.begin(), barrier_ranks_.end(), node->rank), barrier_ranks_.end());
+  admit_ranks_.erase(std::remove(admit_ranks_.begin(), admit_ranks_.end(), node->rank), admit_ranks_.end());
+  std::vector<std::string> names;
+  for (auto& [name, pend] : pending_decls_) {
+    pend.erase(node->rank);
+    names.push_back(name);
+  }
+  for (const std::string& name : names) TryCompleteDeclarationLocked(name);
+  TryReleaseBarrierLocked();
+  TryAdmitLocked();
+  TryTerminateLocked();
+}
+
+bool Scheduler::JoinLaterLocked(const std::shared_ptr<Node>& node) {
+  auto refuse = [&](const std::string& why) {
+    LogWarn("refused a worker from " + node->peer_ip + ": " + why);
+    SendError(node, why + ". Received: rank=" + std::to_string(node->rank_hint));
+    return false;
+  };
+  std::set<int64_t> taken;  // by workers in the job or waiting to join
+  for (auto& n : nodes_)
+    if (n->role == Role::kWorker && (!n->goodbye || n->joining)) taken.insert(n->rank);
+  int64_t slot = -1;
+  for (int64_t r : departed_)
+    if (!taken.count(r) && (node->rank_hint < 0 || node->rank_hint == r) && (slot < 0 || r < slot)) slot = r;
+  if (slot < 0) {
+    if (departed_.empty())
+      return refuse("the job already has all " + std::to_string(num_workers_) + " workers; a worker joins a "
+                    "running job only in the place of one that left (fault tolerance)");
+    std::string free;
+    for (int64_t r : departed_)
+      if (!taken.count(r)) free += (free.empty() ? "" : ", ") + std::to_string(r);
+    return refuse(free.empty() ? "every place of a worker that left is taken by one waiting to join"
+                               : "rank " + std::to_string(node->rank_hint) + " is not the place of a worker that "
+                                 "left; free: " + free + " (or no DMLC_WORKER_ID)");
+  }
+  node->rank = slot;
+  node->joining = true;
+  node->goodbye = true;  // not in barriers, goodbyes or worker broadcasts until it joins
+  node->registered = true;
+  node->last_seen = Clock::now();
+  nodes_.push_back(node);
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(MsgType::kWelcome);
+  node->out->Post(h, WelcomeMetaLocked(*node, kWelcomeJoining));
+  LogInfo(node->Describe() + " waits to join the job in the place of worker " + std::to_string(slot) +
+          " (at the next admission of the others)");
+  return true;
+}
+
+void Scheduler::OnAdmissionBarrierLocked(const std::shared_ptr<Node>& node) {
+  if (node->role != Role::kWorker || (node->goodbye && !node->joining))
+    throw FrameError("an admission from " + node->Describe() + ": only workers in the job or joining it");
+  if (node->joining) node->ready_to_join = true;
+  else admit_ranks_.push_back(node->rank);
+  TryAdmitLocked();
+}
+
+void Scheduler::TryAdmitLocked() {
+  if (acks_missing_ > 0 || admit_ranks_.empty() || static_cast<int>(admit_ranks_.size()) < LiveWorkersLocked())
+    return;
+  for (auto& n : nodes_)
+    if (n->joining && n->ready_to_join) joining_.push_back(n);
+  if (joining_.empty()) {  // nobody to admit: an ordinary barrier
+    admit_ranks_.clear();
+    FrameHeader h;
+    h.type = static_cast<uint16_t>(MsgType::kBarrierReply);
+    h.arg = kAdmissionBarrier;
+    for (auto& n : nodes_)
+      if (n->role == Role::kWorker && !n->goodbye) n->out->Post(h);
+    return;
+  }
+  std::string who;
+  for (auto& j : joining_) {
+    departed_.erase(std::remove(departed_.begin(), departed_.end(), j->rank), departed_.end());
+    rejoined_.insert(j->rank);
+    who += (who.empty() ? "" : ", ") + j->Describe();
+    // The node of that rank's earlier life (gone, or hung and declared gone) is forgotten.
+    nodes_.erase(std::remove_if(nodes_.begin(), nodes_.end(),
+                                [&](const std::shared_ptr<Node>& n) {
+                                  return n != j && n->role == Role::kWorker && n->rank == j->rank;
+                                }),
+                 nodes_.end());
+  }
+  ++membership_epoch_;
+  LogWarn(who + " joined the job (fault tolerance, membership " + std::to_string(membership_epoch_) + "): " +
+          std::to_string(LiveWorkersLocked()) + " workers");
+  acks_missing_ = opts_.num_servers;
+  PostMembershipLocked(Role::kServer);  // the workers hear of it once every server applied it
+}
+
+void Scheduler::OnMembershipAckLocked(const std::shared_ptr<Node>& server, uint64_t epoch) {
+  if (epoch != membership_epoch_ || acks_missing_ <= 0) return;  // an older change's ack
+  if (--acks_missing_ > 0) return;
+  for (auto& j : joining_) {
+    j->joining = j->ready_to_join = false;
+    j->goodbye = false;
+    j->last_seen = Clock::now();
+  }
+  joining_.clear();
+  PostMembershipLocked(Role::kWorker);  // before the reply: they read it first
+  admit_ranks_.clear();
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(MsgType::kBarrierReply);
+  h.arg = kAdmissionBarrier;
+  for (auto& n : nodes_)
+    if (n->role == Role::kWorker && !n->goodbye) n->out->Post(h);
+  TryReleaseBarrierLocked();
+}
+
+void Scheduler::ForgetJoinerLocked(const std::shared_ptr<Node>& node, const std::string& why) {
+  node->joining = node->ready_to_join = false;
+  if (std::find(joining_.begin(), joining_.end(), node) != joining_.end()) {
+    // Admitted (the servers count it already): it leaves as a worker of the job does.
+    joining_.erase(std::remove(joining_.begin(), joining_.end(), node), joining_.end());
+    node->goodbye = false;
+    return DepartLocked(node, why + " while it joined");
+  }
+  LogWarn(node->Describe() + ", waiting to join, " + why + "; its place stays free");
+  nodes_.erase(std::remove(nodes_.begin(), nodes_.end(), node), nodes_.end());
+}
+
+void Scheduler::PostMembershipLocked(Role role) {
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(MsgType::kMembership);
+  const std::string meta = MembershipNoticeMeta(static_cast<int64_t>(membership_epoch_), departed_);
+  for (auto& n : nodes_)
+    if (n->role == role && !(role == Role::kWorker && n->goodbye)) n->out->Post(h, meta);
+}
+
+}  // namespace bps
