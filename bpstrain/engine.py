@@ -21,7 +21,7 @@ import atexit
 import dataclasses
 import itertools
 import threading
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -191,7 +191,8 @@ def membership() -> Dict[str, Any]:
     at the start, "answered_epoch"/"answered_departed": the membership the results
     received so far were computed under, "scheduler_alive": False once the scheduler is
     gone (the job goes on, but barriers, new tensors and further membership changes
-    fail)}``.
+    fail), "joined": rendezvous ranks that joined at the newest :func:`admit`,
+    "admitted_late": True in a worker that joined the running job}``.
 
     ``epoch`` changes when this rank hears from the scheduler, which two ranks may do a
     step apart; ``answered_epoch`` changes with the first result the servers computed
@@ -202,16 +203,18 @@ def membership() -> Dict[str, Any]:
     if state.worker is None or not state.fault_tolerance:
         return {"epoch": 0, "departed": [], "rank": state.rank, "size": state.size,
                 "rendezvous_rank": state.rank, "rendezvous_size": state.size,
-                "answered_epoch": 0, "answered_departed": [], "scheduler_alive": True}
+                "answered_epoch": 0, "answered_departed": [], "scheduler_alive": True,
+                "joined": [], "admitted_late": False}
     m = state.worker.membership()
     return {"epoch": m["epoch"], "departed": list(m["departed"]), "rank": m["live_rank"],
             "size": m["live_size"], "rendezvous_rank": state.worker.rank,
             "rendezvous_size": state.worker.size, "answered_epoch": m["answered_epoch"],
-            "answered_departed": list(m["answered_departed"]), "scheduler_alive": not m["scheduler_lost"]}
+            "answered_departed": list(m["answered_departed"]), "scheduler_alive": not m["scheduler_lost"],
+            "joined": list(m["joined"]), "admitted_late": bool(m["admitted_late"])}
 
 
 def on_membership_change(callback: Callable[[Dict[str, Any]], None]) -> None:
-    """Calls ``callback(membership())`` after a worker left the job
+    """Calls ``callback(membership())`` after a worker left or joined the job
     (``comm.fault_tolerance``), in the thread that next waits for an operation
     (:func:`synchronize`), before that wait returns: re-shard the data, rescale the
     learning rate, log. Callbacks run in the order they were added."""
@@ -621,6 +624,33 @@ def barrier(timeout: Optional[float] = None) -> None:
     handle = state.worker.enqueue_barrier()
     state.ops[handle] = None, (), None
     synchronize(handle, timeout)
+
+
+def admit(timeout: Optional[float] = None) -> List[int]:
+    """Lets waiting workers join the job (``comm.fault_tolerance``); call between steps.
+
+    Every worker in the job calls it at the same step (``bpstrain.torch.elastic``'s
+    ``state.commit()`` does). A worker process started after the rendezvous (a restart
+    by ``python -m bpstrain.launch --max-restarts``, or a hand-started ``DMLC_ROLE=worker``
+    with the place of a departed worker free) waits in its ``init()`` until then; it joins
+    here, takes the departed worker's rank and its gradients count from the next step.
+    The joiners get no state from the engine: the caller sends them the model and the
+    optimizer (``state.sync()``). Without fault tolerance nobody can join: returns [].
+
+    Returns:
+        The rendezvous ranks that joined (the same list on every rank; [] when none).
+
+    Raises:
+        ConfigError: an operation of this worker is still running (synchronize it first).
+        PeerError: the scheduler is gone (joins need it).
+    """
+    state = _require()
+    if state.worker is None or not state.fault_tolerance:
+        return []
+    handle = state.worker.enqueue_admission()
+    state.ops[handle] = None, (), None
+    synchronize(handle, timeout)
+    return list(state.worker.membership()["joined"])
 
 
 def set_trace(on: bool) -> None:

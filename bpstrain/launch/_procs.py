@@ -340,7 +340,8 @@ def terminate_raises() -> Iterator[None]:
 def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue.Queue,
               grace: float = DEFAULT_GRACE, service_timeout: float = 30.0,
               services_exit: bool = True, tolerate_worker_failures: bool = False,
-              survivable: Sequence[Child] = ()) -> int:
+              survivable: Sequence[Child] = (),
+              restart: Callable[[Child], Child | None] | None = None) -> int:
     """Waits for a job to finish and tears it down; the launcher's main loop.
 
     The job fails as soon as any child exits non-zero: everything is stopped and
@@ -362,12 +363,16 @@ def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue
             finishes (exit 0).
         survivable: Services whose exit the job survives (the scheduler, under
             ``comm.fault_tolerance``: the workers and servers go on without it).
+        restart: With ``tolerate_worker_failures``: called with a worker that exited
+            non-zero; returns its replacement (which joins the running job in its
+            place), or None when no restart is left.
 
     Returns:
         The exit status for the launcher.
     """
     everyone = [*workers, *services]
     pending = {id(w) for w in workers}
+    lives = len(workers)  # worker processes started: one per rank, plus restarts
     failed_workers: list = []  # exit codes of workers that left (fault tolerance)
     try:
         with terminate_raises():
@@ -391,7 +396,15 @@ def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue
                 if code != 0 and tolerate_worker_failures and id(child) in pending:
                     pending.discard(id(child))
                     failed_workers.append(code)
-                    if len(failed_workers) < len(workers):
+                    again = restart(child) if restart is not None and len(pending) > 0 else None
+                    if again is not None:
+                        log(f"{child.label} exited with code {code}; fault tolerance: restarted it, it "
+                            "joins the job at the others' next admission (state.commit())")
+                        everyone.append(again)
+                        pending.add(id(again))
+                        lives += 1
+                        continue
+                    if len(failed_workers) < lives:
                         log(f"{child.label} exited with code {code}; fault tolerance: the job goes on "
                             f"with the other workers")
                         if not pending and deadline is None:

@@ -282,13 +282,15 @@ class LocalJob:
             :class:`LocalServices`.
         service_timeout: Seconds services may keep running after every worker
             exited 0 before they are stopped.
+        max_restarts: With ``comm.fault_tolerance``: how many times in all a worker
+            that exits non-zero is started again (it rejoins in its place).
     """
 
     def __init__(self, cmd: Sequence[str], workers: int, servers: int = 1,
                  local_size: int | None = None, host: str = "127.0.0.1",
                  port: int | None = None, env: Mapping[str, str] | None = None,
                  output: TextIO | None = None, grace: float = DEFAULT_GRACE,
-                 service_timeout: float = 30.0, mixed: bool | None = None):
+                 service_timeout: float = 30.0, mixed: bool | None = None, max_restarts: int = 0):
         if not cmd:
             raise ConfigError("cmd must name the worker command. Received: cmd=[]")
         self.cmd = list(cmd)
@@ -300,6 +302,9 @@ class LocalJob:
                                       serve_next_job=True)
         self.workers: list[Child] = []
         self._output, self.grace, self.service_timeout = output, grace, service_timeout
+        if max_restarts < 0:
+            raise ConfigError(f"max_restarts must be >= 0. Received: {max_restarts}")
+        self.max_restarts, self.restarts = int(max_restarts), 0
 
     def _fault_tolerance(self) -> bool:
         """Whether the workers run with ``comm.fault_tolerance`` (BPSTRAIN_FAULT_TOLERANCE)."""
@@ -324,12 +329,29 @@ class LocalJob:
             raise
         try:
             tolerant = self._fault_tolerance()
+            if self.max_restarts and not tolerant:
+                log("--max-restarts needs comm.fault_tolerance (BPSTRAIN_FAULT_TOLERANCE=1): without it "
+                    "a failed worker ends the job, so no worker is restarted")
             return supervise(self.workers, self.services.children, self._events,
                              self.grace, self.service_timeout, services_exit=False,
                              tolerate_worker_failures=tolerant,
-                             survivable=[self.services.scheduler] if tolerant else [])
+                             survivable=[self.services.scheduler] if tolerant else [],
+                             restart=self._restart if tolerant else None)
         finally:
             self.services.stop()
+
+
+    def _restart(self, child: Child) -> Child | None:
+        """A new process of a failed worker (same command and rank, BPSTRAIN_RESTART=k): it
+        joins the running job in its place (torchrun's --max-restarts restarts every worker)."""
+        if self.restarts >= self.max_restarts:
+            return None
+        self.restarts += 1
+        rank = self.workers.index(child)
+        env = {**self.services.worker_env(rank), "BPSTRAIN_RESTART": str(self.restarts)}
+        again = Child(f"worker {rank}", self.cmd, env, self._events.put, self._output)
+        self.workers[rank] = again
+        return again
 
 
 def launch_local(cmd: Sequence[str], workers: int, servers: int = 1,

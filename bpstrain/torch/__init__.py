@@ -21,10 +21,11 @@ or alone (``python train.py``: rank 0 of 1). Modules: :mod:`.ops` (collectives),
 :mod:`.compression`, :mod:`.mpi_ops` (Horovod's allreduce/allgather/barrier),
 :mod:`.sync_batch_norm`, :mod:`.sparse` (row-sparse push_pull), :mod:`.embedding` (layers
 whose table the servers keep), :mod:`.process_group` (the ``torch.distributed`` backend
-``"bpstrain"``, registered on import); CUDA staging lives in :mod:`._cuda`.
+``"bpstrain"``, registered on import), :mod:`.elastic` (``ElasticSampler``, and the
+``TorchState`` a worker joining the running job gets); CUDA staging lives in :mod:`._cuda`.
 """
 
-from bpstrain.torch import parallel
+from bpstrain.torch import elastic, parallel
 from bpstrain.torch.compression import Compression
 from bpstrain.torch.cross_barrier import CrossBarrier
 from bpstrain.torch.elastic import ElasticSampler

@@ -1,4 +1,5 @@
-"""Data sharding that follows the job's membership (``comm.fault_tolerance``).
+"""Elastic training (``comm.fault_tolerance``): data sharding that follows the job's
+membership (:class:`ElasticSampler`), and the state a joining worker gets (:class:`TorchState`).
 
     sampler = bps.ElasticSampler(dataset, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=32, sampler=sampler)
@@ -153,3 +154,79 @@ class ElasticSampler(Sampler):
         self._remaining, self._size, self._done = list(state["remaining"]), int(state["size"]), int(state["done"])
         self._drop_consumed()
         self._deal()
+
+
+class TorchState:
+    """What a worker that joins the running job needs, and the step where it joins
+    (``comm.fault_tolerance``): Horovod's ``hvd.elastic.TorchState``, without rollbacks.
+
+        state = bps.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
+        state.sync()                   # at the start: every rank gets rank 0's values
+        while state.step < steps:
+            ...one training step...
+            state.step += 1
+            state.commit()             # a step boundary: waiting workers join here
+
+    A worker that dies leaves the job and the others go on (nothing to roll back: the
+    servers hold no model in synchronous training). A worker process started later (the
+    launcher's ``--max-restarts``, or a hand-started one in a free place) waits in
+    ``init()`` until the others' next :meth:`commit`, then runs the same script: its
+    ``state.sync()`` meets the :meth:`sync` the others run inside that commit, so it
+    starts from their parameters, optimizer state, sampler position and extras
+    (``epoch``, ``step`` ...), and its gradients count from the next step.
+
+    Args:
+        model: its ``state_dict()`` (parameters and buffers) is sent to joiners.
+        optimizer: its state and options are sent to joiners (None: no optimizer).
+        sampler: an :class:`ElasticSampler`, whose unconsumed samples are dealt again
+            over the workers including the joiners.
+        **extras: plain values (epoch, step, best loss ...) kept as attributes.
+    """
+
+    def __init__(self, model=None, optimizer=None, sampler: "ElasticSampler" = None, **extras):
+        self.model, self.optimizer, self.sampler = model, optimizer, sampler
+        self._extras = list(extras)
+        for key, value in extras.items():
+            setattr(self, key, value)
+        self.syncs = 0  # how many times the state was sent (at the start, then per join)
+
+    def commit(self) -> list:
+        """A step boundary (call it on every rank at the same step): admits the workers
+        waiting to join, then sends them the state. Returns the ranks that joined."""
+        joined = engine.admit()
+        if joined:
+            self.sync()
+        return joined
+
+    def sync(self) -> None:
+        """Makes every rank's state the root's: the lowest rank that was in the job
+        before the newest join (rank 0 at the start)."""
+        from bpstrain.torch import functions
+
+        root = self._root()
+        if self.model is not None:
+            functions.broadcast_parameters(self.model.state_dict(), root, prefix="elastic.model")
+        if self.optimizer is not None:
+            functions.broadcast_optimizer_state(self.optimizer, root, prefix="elastic.optimizer")
+        extras = {key: getattr(self, key) for key in self._extras}
+        sampler = self.sampler.state_dict() if self.sampler is not None else None
+        extras, sampler = functions.broadcast_object((extras, sampler), root, name="elastic.state")
+        for key, value in extras.items():
+            setattr(self, key, value)
+        if self.sampler is not None:
+            # On every rank, the root included: the unconsumed samples are dealt over the
+            # workers in the job now at this same step.
+            self.sampler.load_state_dict(sampler)
+        self.syncs += 1
+
+    @staticmethod
+    def _root() -> int:
+        """The root, as a rank among the workers in the job (what rank() numbers)."""
+        if not engine.is_initialized():
+            return 0
+        m = engine.membership()
+        departed, joined = set(m["departed"]), set(m["joined"])
+        stayed = [r for r in range(m["rendezvous_size"]) if r not in departed and r not in joined]
+        if not stayed:  # everyone joined at once (cannot happen: admissions need the job's workers)
+            return 0
+        return stayed[0] - sum(1 for r in departed if r < stayed[0])

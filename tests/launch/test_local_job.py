@@ -18,11 +18,30 @@ def fake_roles(monkeypatch):
     monkeypatch.setattr(LocalServices, "role_cmd", FAKE_ROLE)
 
 
-def run_job(workers=2, servers=1, local_size=None, **env):
+def run_job(workers=2, servers=1, local_size=None, max_restarts=0, **env):
     out = io.StringIO()
     code = launch_local(FAKE_WORKER, workers, servers, local_size, env=subprocess_env(**env),
-                        output=out, grace=2.0, service_timeout=10.0)
+                        output=out, grace=2.0, service_timeout=10.0, max_restarts=max_restarts)
     return code, out.getvalue()
+
+
+@pytest.mark.timeout(60)
+def test_with_fault_tolerance_a_failed_worker_is_restarted_max_restarts_times(capfd):
+    # Rank 1 fails in every life: started again twice (BPSTRAIN_RESTART=1, 2), then the
+    # job goes on without it and ends well when rank 0 finishes.
+    code, out = run_job(max_restarts=2, FAKE_FAIL_RANK="1", FAKE_LINGER="4", BPSTRAIN_FAULT_TOLERANCE="1")
+    assert code == 0, out
+    assert out.count("[worker 1] rank=1 ") == 3 and out.count("[worker 0] rank=0 ") == 1, out
+    assert "[worker 1] restart=1" in out and "[worker 1] restart=2" in out and "restart=3" not in out, out
+    err = capfd.readouterr().err
+    assert err.count("fault tolerance: restarted it") == 2 and "the job goes on with the other workers" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_without_fault_tolerance_max_restarts_restarts_nothing(capfd):
+    code, out = run_job(max_restarts=2, FAKE_FAIL_RANK="1", FAKE_FAIL_CODE="3")
+    assert code == 3 and out.count("[worker 1] rank=1 ") == 1, out
+    assert "--max-restarts needs comm.fault_tolerance" in capfd.readouterr().err
 
 
 @pytest.mark.timeout(60)

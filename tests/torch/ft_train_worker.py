@@ -2,9 +2,13 @@
 trained with DistributedOptimizer for STEPS steps; with ``--fault kill|stop`` the worker of
 rank ``--victim`` kills (SIGKILL) or stops (SIGSTOP, resumed a few seconds later) itself
 just before step ``--at`` computes its gradient; with ``--fault scheduler`` it kills the
-job's scheduler (its launcher's child) instead and every worker finishes. Each survivor prints one ``FT_RESULT``
-line: its final parameters, rank()/size() before and after, the membership events its
-callback saw and each step's seconds (the step of the fault holds the detection)."""
+job's scheduler (its launcher's child) instead and every worker finishes. With
+``--join-at J`` the training state is a ``bpstrain.torch.elastic.TorchState`` committed
+after every step, the launcher restarts the killed worker (``--max-restarts``), which
+joins at a commit (the others wait at step J's until it has) and goes on from their state. Each worker
+that finishes prints one ``FT_RESULT`` line: its final parameters, rank()/size() before
+and after, the membership events its callback saw and each step's seconds (the step of
+the fault holds the detection)."""
 
 import argparse
 import json
@@ -53,7 +57,10 @@ def main(argv=None):
     p.add_argument("--fault", choices=("none", "kill", "stop", "scheduler"), default="none")
     p.add_argument("--victim", type=int, default=2)
     p.add_argument("--at", type=int, default=5)
+    p.add_argument("--join-at", type=int, default=0)
     args = p.parse_args(argv)
+    if args.join_at:
+        return elastic(args)
     bps.init()
     start = (bps.rank(), bps.size())
     events = []
@@ -93,6 +100,52 @@ def main(argv=None):
                                      "params": params, "events": events, "times": times,
                                      "indices": indices,
                                      "scheduler_alive": engine.membership()["scheduler_alive"]}), flush=True)
+    bps.shutdown()
+    return 0
+
+
+def elastic(args):
+    """The loop of a Horovod-elastic script: the state is synced at the start (a restarted
+    process gets the others' state there) and committed after every step."""
+    bps.init()
+    start = (bps.rank(), bps.size())
+    me = engine.membership()["rendezvous_rank"]
+    events = []
+    engine.on_membership_change(lambda m: events.append({k: m[k] for k in ("epoch", "departed", "size",
+                                                                             "joined")}))
+    torch.manual_seed(0 if me != args.victim else 99)  # a joiner's own start is overwritten
+    model = torch.nn.Linear(4, 1)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    sampler = bps.ElasticSampler(range(SAMPLES), shuffle=True, seed=5)
+    state = bps.elastic.TorchState(model, opt, sampler=sampler, step=0)
+    state.sync()
+    first, restarted = state.step, os.environ.get("BPSTRAIN_RESTART")
+    indices, it, times = [], iter(sampler), []
+    while state.step < STEPS:
+        t0 = time.perf_counter()
+        batch = [i for _, i in zip(range(BATCH), it)]
+        if me == args.victim and state.step == args.at and not restarted:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = rank_data(me, state.step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        sampler.record_batch(len(batch))
+        indices.append(batch)
+        state.step += 1
+        state.commit()
+        deadline = time.monotonic() + 90
+        while state.step == args.join_at and bps.size() < 3:  # it may have joined earlier
+            assert time.monotonic() < deadline, "the restarted worker never joined"
+            time.sleep(0.05)
+            state.commit()
+        times.append(time.perf_counter() - t0)
+    params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
+    print("FT_RESULT " + json.dumps({"rank": me, "start": start, "end": [bps.rank(), bps.size()],
+                                     "params": params, "events": events, "first_step": first,
+                                     "restarted": restarted, "indices": indices, "times": times,
+                                     "syncs": state.syncs}), flush=True)
     bps.shutdown()
     return 0
 

@@ -23,14 +23,14 @@ from ft_train_worker import BATCH, SAMPLES, STEPS, rank_data  # noqa: E402
 AT = 5
 
 
-def launch(fault, fault_tolerance=True, timeout=120):
+def launch(fault, fault_tolerance=True, timeout=120, worker_args=(), launcher_args=()):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "BPSTRAIN_OP_TIMEOUT": "30",
            "BPSTRAIN_TIMEOUT": "3", "BPSTRAIN_FAULT_TOLERANCE": "1" if fault_tolerance else "0"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     for name in [n for n in env if n.startswith("DMLC_")]:
         del env[name]
-    cmd = [sys.executable, "-m", "bpstrain.launch", "--workers", "3", "--servers", "1", "--",
-           sys.executable, str(HERE / "ft_train_worker.py"), "--fault", fault, "--at", str(AT)]
+    cmd = [sys.executable, "-m", "bpstrain.launch", "--workers", "3", "--servers", "1", *launcher_args, "--",
+           sys.executable, str(HERE / "ft_train_worker.py"), "--fault", fault, "--at", str(AT), *worker_args]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     results = [json.loads(line.split("FT_RESULT ", 1)[1]) for line in proc.stdout.splitlines()
@@ -38,13 +38,14 @@ def launch(fault, fault_tolerance=True, timeout=120):
     return proc, sorted(results, key=lambda r: r["rank"]), time.monotonic() - t0
 
 
-def replay(survivors_from=AT):
-    """One process: SGD on the average of the gradients of the workers in the job."""
+def replay(survivors_from=AT, rejoined_from=STEPS, momentum=0.0):
+    """One process: SGD on the average of the gradients of the workers in the job (all
+    three, but rank 2 from step ``survivors_from`` until ``rejoined_from``)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     for step in range(STEPS):
-        ranks = range(3) if step < survivors_from else range(2)
+        ranks = range(3) if step < survivors_from or step >= rejoined_from else range(2)
         grads = []
         for r in ranks:
             model.zero_grad()
@@ -115,3 +116,37 @@ def test_when_the_scheduler_is_killed_every_worker_finishes_without_it():
     for got, ref in zip(results[0]["params"], want):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
     assert "scheduler exited with code" in proc.stderr and "go on without it" in proc.stderr, out
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_is_restarted_and_rejoins_with_the_others_state():
+    """Rank 2 SIGKILLs itself before step AT; the launcher (--max-restarts 1) starts it
+    again; the new process waits in init() until the others' next state.commit(), gets
+    their parameters, momentum buffers, sampler position and step there, and trains
+    with them to the end. Everyone ends with the parameters of a replay that averages
+    over 3 workers, then 2 from step AT, then 3 again from the step it joined at."""
+    join_at = AT + 3
+    proc, results, _ = launch("kill", worker_args=["--join-at", str(join_at)], launcher_args=["--max-restarts", "1"])
+    out = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, out
+    assert [r["rank"] for r in results] == [0, 1, 2], out
+    joiner = results[2]
+    assert joiner["restarted"] == "1" and joiner["start"] == [2, 3] and joiner["end"] == [2, 3], joiner
+    assert AT < joiner["first_step"] <= join_at, joiner
+    for r in results:
+        assert r["params"] == results[0]["params"], out  # the joiner too, bit for bit
+    want = replay(rejoined_from=joiner["first_step"], momentum=0.9)
+    for got, ref in zip(results[0]["params"], want):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    for r in results[:2]:
+        assert r["end"] == [r["rank"], 3] and r["syncs"] == 2, r  # at the start, at the join
+        assert [(e["departed"], e["size"], e["joined"]) for e in r["events"]] == [([2], 2, []), ([], 3, [2])], r
+    # From the join on the three deal the samples nobody consumed yet (the last share
+    # padded by wrapping around, as DistributedSampler): every sample of the epoch is
+    # trained, with what the victim consumed before it was killed.
+    after = [i for r in results for batch in r["indices"][-(STEPS - joiner["first_step"]):] for i in batch]
+    assert len(after) - len(set(after)) < 3, after
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(5)).tolist()
+    seen = {i for r in results for batch in r["indices"] for i in batch} | set(order[2::3][:AT * BATCH])
+    assert seen == set(range(SAMPLES)), sorted(set(range(SAMPLES)) - seen)
+    assert "restarted it" in proc.stderr, out

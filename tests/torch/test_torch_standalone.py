@@ -155,3 +155,19 @@ def test_named_parameters_are_checked_the_same_way_in_every_mode(monkeypatch, co
                        ([m.weight, m.bias], r"sequence of \(name, parameter\)")):
         with pytest.raises(ValueError, match=why):
             bps.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=named)
+
+
+@pytest.mark.timeout(30)
+def test_the_elastic_state_alone_keeps_its_values_and_admits_nobody():
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sampler = bps.ElasticSampler(range(10), shuffle=False)
+    state = bps.elastic.TorchState(model, opt, sampler=sampler, epoch=2, step=7)
+    before = [p.detach().clone() for p in model.parameters()]
+    state.sync()
+    assert (state.epoch, state.step, state.syncs) == (2, 7, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert state.commit() == [] and state.syncs == 1  # nobody can join a job of one
+    assert list(sampler) == list(range(10))
+    from bpstrain import engine
+    assert engine.admit() == [] and engine.membership()["joined"] == []
