@@ -562,7 +562,10 @@ void Scheduler::MonitorLoop() {
       }
       continue;
     }
-    for (auto& n : nodes_) {
+    // A copy: a departure can admit a waiting joiner, and a join or a forgotten joiner
+    // takes nodes out of nodes_ (iterating nodes_ itself crashed there).
+    const std::vector<std::shared_ptr<Node>> snapshot = nodes_;
+    for (auto& n : snapshot) {
       if (n->goodbye) continue;
       double silent = SecondsSince(n->last_seen);
       if (silent > opts_.peer_timeout) {
@@ -570,7 +573,7 @@ void Scheduler::MonitorLoop() {
                                 " s (hung or unreachable)";
         if (n->joining) {
           ForgetJoinerLocked(n, why);
-          break;  // nodes_ changed
+          continue;
         }
         if (opts_.fault_tolerance && n->role == Role::kWorker) {
           DepartLocked(n, why);

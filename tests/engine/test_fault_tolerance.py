@@ -15,7 +15,7 @@ import pytest
 from bpstrain import _core
 from bpstrain.errors import BpsError, ConfigError, PeerError
 from tests.engine.harness import InProcessCluster, push_pull, wait
-from tests.engine.test_faults import PUSH, FakeWorker
+from tests.engine.test_faults import HEARTBEAT, PUSH, FakeWorker
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("transport")]
 MEMBERSHIP = 22
@@ -307,6 +307,54 @@ def test_a_worker_joins_in_the_place_of_a_hung_one_and_the_stale_process_is_refu
         assert all(np.array_equal(x, np.full(4, 3.0, np.float32)) for x in out), out
         fake.link.shutdown()
     finally:
+        if new is not None:
+            new.shutdown()
+        c.close()
+
+
+def test_a_hung_worker_declared_gone_during_an_admission_lets_the_joiner_in():
+    # Ranks 0, 1 real, 2 and 3 fakes. Rank 2 dies; a new worker waits to join in its
+    # place; 0 and 1 wait at an admission for rank 3, which hangs: its departure (the
+    # scheduler's heartbeat check) completes the admission, and the join takes the old
+    # rank 2 out of the scheduler's nodes while that check goes through them (a crash).
+    fakes = []
+    c = InProcessCluster(2, 1, extra_workers=2, fault_tolerance=True, peer_timeout=2,
+                         before_ready=lambda c: fakes.extend([FakeWorker(c, 2), FakeWorker(c, 3)]))
+    for fake in fakes:
+        fake.welcome()
+    stop = threading.Event()
+
+    def heartbeats():  # rank 3 is alive until the admission waits for it
+        while not stop.wait(0.25):
+            fakes[1].send(HEARTBEAT)
+
+    beat = threading.Thread(target=heartbeats, daemon=True)
+    beat.start()
+    new = None
+    try:
+        fakes[0].link.shutdown()
+        deadline = time.monotonic() + 10
+        while list(c.workers[0].membership()["departed"]) != [2]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        new = joiner(c, rank_hint=2)
+        assert not new.wait_ready(0.5)
+        handles = [w.enqueue_admission() for w in c.workers]
+        stop.set()  # rank 3 hangs now
+        beat.join()
+        for w, h in zip(c.workers, handles):
+            wait(w, h)
+        assert new.wait_ready(10)
+        assert all(list(w.membership()["joined"]) == [2] and w.membership()["live_size"] == 3 for w in c.workers)
+        with ThreadPoolExecutor(3) as pool:
+            out = list(pool.map(lambda w: push_pull(w, "h", np.full(2, w.rank + 1.0, np.float32)),
+                                [*c.workers, new]))
+        assert all(np.array_equal(x, np.full(2, 6.0, np.float32)) for x in out), out
+        assert c.scheduler.stats()["nodes"] > 0  # the scheduler is alive
+    finally:
+        stop.set()
+        for fake in fakes:
+            fake.link.shutdown()
         if new is not None:
             new.shutdown()
         c.close()
