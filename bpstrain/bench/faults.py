@@ -1,0 +1,446 @@
+"""Training through faults on emulated hosts: bpstrain's fault tolerance vs torchrun's restarts.
+
+    python -m bpstrain.bench.faults                          # 4 worker hosts, 2 server hosts, 800 Mbit/s
+    python -m bpstrain.bench.faults --events kill stop cut --every 30 --steps 20000
+    python -m bpstrain.bench.faults --systems bpstrain --json faults.json
+
+Both systems train the digits CNN (:mod:`bpstrain.bench._faults_worker`) for the same
+number of synchronous steps, once without faults and once under a scripted schedule
+that injects one event ``--every`` seconds after the first step, and each next one
+``--every`` seconds after training resumed from the last, into worker host 1, 2, 3, 1, ...:
+
+- ``kill``: the worker process is SIGKILLed;
+- ``stop``: it is SIGSTOPped for ``--stop-s`` seconds (hung), then continued;
+- ``cut``: its host's link goes down for ``--cut-s`` seconds (``ip link set eth0 down``
+  in its namespace), then up again.
+
+bpstrain runs with ``comm.fault_tolerance`` and ``comm.timeout`` = ``--timeout``; the
+workers commit a ``TorchState`` after every step; a worker process that exits non-zero
+is started again (what ``python -m bpstrain.launch --max-restarts`` does on one host)
+and rejoins at the next step. torchrun runs one agent per worker host (c10d rendezvous,
+``--max-restarts``), DDP over gloo with its timeout = ``--timeout``, and a checkpoint by
+rank 0 every ``--checkpoint-every`` steps: a failure restarts every worker from it.
+
+Per event the table gives: when the others noticed (bpstrain: the membership changed;
+torchrun: the first worker process of the restart was launched), the stall (the longest
+pause between two completed steps, from the event to the next event), the steps lost (completed before the event and
+computed again after it), when the victim's replacement trained again; per run the
+samples per second that count (bpstrain: the workers in each step; torchrun: every
+step once) and their ratio to the same system's run without faults (the goodput), and
+the final test accuracy. Root is needed (namespaces, tc); progress goes to stderr, the
+tables to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+
+from bpstrain.bench import _jobs, emulated
+from bpstrain.bench._hosts import EmulatedHosts
+
+_WORKER = "bpstrain.bench._faults_worker"
+EVENTS = ("kill", "stop", "cut")
+BATCH = 32  # the worker's per-rank batch
+
+
+@dataclasses.dataclass
+class Plan:
+    """One benchmark: the hosts, the training and the fault schedule."""
+
+    workers: int = 4
+    servers: int = 2
+    rate_mbit: float = 800.0
+    steps: int = 10000
+    events: Sequence[str] = ("kill", "stop", "cut", "kill")
+    every: float = 20.0
+    stop_s: float = 8.0
+    cut_s: float = 8.0
+    timeout: float = 5.0
+    checkpoint_every: int = 100
+    systems: Sequence[str] = ("bpstrain", "torchrun")
+    run_timeout: float = 900.0
+    keep: str = ""
+
+
+@dataclasses.dataclass
+class Injected:
+    kind: str
+    host: int
+    at: float  # wall time
+
+
+class _Run:
+    """The processes of one run on the emulated hosts, started and restarted by name."""
+
+    def __init__(self, hosts: EmulatedHosts, workdir: str):
+        self.hosts, self.workdir = hosts, workdir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.argv: dict[str, tuple] = {}
+        self.lives: dict[str, int] = {}
+
+    def start(self, name: str, host: int, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        life = self.lives.get(name, -1) + 1
+        self.lives[name] = life
+        out = open(os.path.join(self.workdir, f"{name}.{life}.log"), "w")
+        proc = self.hosts.popen(host, argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+        out.close()
+        self.procs[name], self.argv[name] = proc, (host, argv, env)
+        return proc
+
+    def restart(self, name: str, **env) -> subprocess.Popen:
+        host, argv, base = self.argv[name]
+        return self.start(name, host, argv, {**base, **env})
+
+    def logs(self, name: str) -> str:
+        return "".join(open(p).read() for p in sorted(glob.glob(os.path.join(self.workdir, f"{name}.*.log"))))
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _log(message: str) -> None:
+    print(f"[faults] {message}", file=sys.stderr, flush=True)
+
+
+def _last_step_at(directory: str) -> float:
+    """When a step was last completed (the newest write to a step file), 0 before any."""
+    times = [os.path.getmtime(p) for p in glob.glob(os.path.join(directory, "*"))
+             if "-launch-" not in p and os.path.getsize(p) > 200]  # past the start note
+    return max(times, default=0.0)
+
+
+def _training(directory: str, since: float) -> bool:
+    """Whether steps complete now, after the time ``since`` (an outage is over)."""
+    last = _last_step_at(directory)
+    return last > since and time.time() - last < 1.0
+
+
+def _worker_pid(run: _Run, system: str, host_index: int) -> int | None:
+    """The training process on worker host ``host_index``: ours, or torchrun's child."""
+    proc = run.procs.get(f"worker{host_index}")
+    if proc is None or proc.poll() is not None:
+        return None
+    if system == "bpstrain":
+        return proc.pid
+    for entry in os.listdir("/proc"):  # the agent's child that runs the worker module
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == proc.pid and _WORKER.encode() in cmd:
+            return int(entry)
+    return None
+
+
+def _inject(plan: Plan, run: _Run, cluster: emulated.EmulatedCluster, system: str, progress: str,
+            done: threading.Event, injected: list) -> None:
+    """The fault schedule, in its own thread: one event each ``every`` seconds."""
+    last = 0.0
+    for i, kind in enumerate(plan.events):
+        # The next event comes `every` seconds after training resumed from the last one:
+        # each hits a running job (not a restart still in progress).
+        while not _training(progress, last):
+            if done.wait(0.2):
+                return
+        if done.wait(plan.every):
+            return
+        host = 1 + i % (plan.workers - 1)  # never host 0: torchrun's rendezvous lives there
+        pid, wait_until = _worker_pid(run, system, host), time.monotonic() + plan.every
+        while kind in ("kill", "stop") and pid is None and time.monotonic() < wait_until:
+            if done.wait(0.1):  # being restarted: the event waits for its victim
+                return
+            pid = _worker_pid(run, system, host)
+        if kind in ("kill", "stop") and pid is None:
+            _log(f"{kind}: no worker process on host {host} for {plan.every:g} s; skipped")
+            continue
+        at = time.time()
+        if kind == "kill":
+            os.kill(pid, signal.SIGKILL)
+        elif kind == "stop":
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(plan.stop_s, lambda p=pid: _continue(p)).start()
+        else:
+            ns = cluster.netns(host)
+            subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", cluster.ifname, "down"], check=True)
+            threading.Timer(plan.cut_s, lambda n=ns: subprocess.run(
+                ["ip", "netns", "exec", n, "ip", "link", "set", cluster.ifname, "up"], check=False)).start()
+        injected.append(Injected(kind, host, at))
+        last = at + 0.5
+        _log(f"{system}: {kind} worker host {host}")
+
+
+def _continue(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+def _run_bpstrain(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, faults: bool) -> None:
+    sched_host = plan.workers + plan.servers
+    common = {
+        "DMLC_NUM_WORKER": str(plan.workers), "DMLC_NUM_SERVER": str(plan.servers),
+        "DMLC_PS_ROOT_URI": hosts.addr(sched_host), "DMLC_PS_ROOT_PORT": str(hosts.next_port()),
+        "DMLC_INTERFACE": hosts.ifname, "BPSTRAIN_FAULT_TOLERANCE": "1",
+        "BPSTRAIN_TIMEOUT": str(plan.timeout), "BPSTRAIN_LAUNCH_PARENT": str(os.getpid()),
+    }
+    role = [sys.executable, "-m", "bpstrain.launch"]
+    run.start("scheduler", sched_host, role, _jobs.child_env({**common, "DMLC_ROLE": "scheduler",
+                                                              "DMLC_NODE_HOST": hosts.addr(sched_host)}))
+    for j in range(plan.servers):
+        host = plan.workers + j
+        run.start(f"server{j}", host, role, _jobs.child_env({**common, "DMLC_ROLE": "server",
+                                                             "DMLC_NODE_HOST": hosts.addr(host)}))
+    argv = [sys.executable, "-m", _WORKER, "--system", "bpstrain", "--steps", str(plan.steps),
+            "--progress", progress]
+    for i in range(plan.workers):
+        run.start(f"worker{i}", i, argv, _jobs.child_env({
+            **common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i), "BYTEPS_LOCAL_RANK": "0",
+            "BYTEPS_LOCAL_SIZE": "1", "DMLC_NODE_HOST": hosts.addr(i)}))
+    _supervise(plan, run, restart=lambda name, n: run.restart(name, BPSTRAIN_RESTART=str(n)))
+
+
+def _run_torchrun(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, faults: bool) -> None:
+    port = hosts.next_port()
+    checkpoint = os.path.join(run.workdir, "checkpoint.pt")
+    for i in range(plan.workers):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(plan.workers),
+                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addr(0)}:{port}",
+                "--rdzv-id", f"faults{port}", "--rdzv-conf", f"is_host={'true' if i == 0 else 'false'}",
+                "--local-addr", hosts.addr(i), "--max-restarts", "100",
+                "--monitor-interval", "0.5", "-m", _WORKER, "--system", "torchrun", "--steps", str(plan.steps),
+                "--progress", progress, "--checkpoint", checkpoint,
+                "--checkpoint-every", str(plan.checkpoint_every), "--timeout", str(plan.timeout)]
+        run.start(f"worker{i}", i, argv, _jobs.child_env({"GLOO_SOCKET_IFNAME": hosts.ifname}))
+    _supervise(plan, run, restart=None)
+
+
+def _supervise(plan: Plan, run: _Run, restart) -> None:
+    """Until every worker finished: restarts a bpstrain worker that failed (``restart``);
+    a torchrun agent restarts its own."""
+    deadline = time.monotonic() + plan.run_timeout
+    restarts = 0
+    handled = set()
+    while True:
+        workers = {n: p for n, p in run.procs.items() if n.startswith("worker")}
+        codes = {n: p.poll() for n, p in workers.items()}
+        if None not in codes.values():
+            if 0 not in codes.values():
+                raise _jobs.BenchError(f"no worker finished: {codes}\n{run.logs('worker0')[-3000:]}")
+            return
+        for name, code in codes.items():
+            if code in (None, 0) or id(workers[name]) in handled:
+                continue
+            handled.add(id(workers[name]))
+            if restart is None:
+                raise _jobs.BenchError(f"{name} failed (exit code {code}):\n{run.logs(name)[-3000:]}")
+            if 0 in codes.values():  # the others finished training: nobody left to rejoin
+                _log(f"{name} exited with code {code} after the others finished")
+                continue
+            restarts += 1
+            _log(f"{name} exited with code {code}; started again")
+            restart(name, restarts)
+        if time.monotonic() > deadline:
+            raise _jobs.BenchError(f"the run did not finish within {plan.run_timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def _read_progress(directory: str) -> tuple[list, list]:
+    """(step lines as (time, step, workers, file), notes as (time, text, file))."""
+    steps, notes = [], []
+    for path in glob.glob(os.path.join(directory, "*")):
+        name = os.path.basename(path)
+        for line in open(path):
+            if line.startswith("# "):
+                t, text = line[2:].split(" ", 1)
+                notes.append((float(t), text.strip(), name))
+            elif line.strip():
+                step, t, workers = line.split()
+                steps.append((float(t), int(step), int(workers), name))
+    return sorted(steps), sorted(notes)
+
+
+def _summarize(system: str, steps: list, notes: list, injected: Sequence[Injected], accuracy: float) -> dict:
+    """Per event: noticed, stall, steps lost, back; per run: samples/s that count."""
+    first, last = steps[0][0], steps[-1][0]
+    final = max(s for _, s, _, _ in steps)
+    if system == "bpstrain":
+        per_step = {}
+        for _, s, w, _ in steps:
+            per_step[s] = w
+        samples = sum(per_step.values()) * BATCH
+    else:
+        samples = final * len({n.split("-")[1] for _, _, _, n in steps}) * BATCH
+    events = []
+    ends = [ev.at for ev in injected[1:]] + [last]
+    for ev, until in zip(injected, ends):
+        after = [(t, s) for t, s, _, _ in steps if t > ev.at]
+        # Steps lost: those a rank completed before the event and computed again after it
+        # (a restart from a checkpoint); a rank finishing the step in flight loses none.
+        done_before: dict = {}
+        for t, s, _, n in steps:
+            if t < ev.at:
+                done_before.setdefault(n.split("-")[1], set()).add(s)
+        redone = {}
+        for t, s, _, n in steps:
+            if t > ev.at and s in done_before.get(n.split("-")[1], ()):
+                redone.setdefault(n.split("-")[1], set()).add(s)
+        lost = max((len(v) for v in redone.values()), default=0)
+        # The stall: the longest pause between two steps completed (by anyone) from the
+        # event to the next one; a step in flight when a worker hangs waits for detection.
+        until = max(until, after[0][0] if after else until)
+        times = [ev.at] + sorted({t for t, _, _, _ in steps if ev.at < t <= until})
+        stall = max((b - a for a, b in zip(times, times[1:])), default=float("nan"))
+        if system == "bpstrain":
+            noticed = [t for t, text, n in notes if t > ev.at and text.startswith("membership")
+                       and not n.startswith(f"bpstrain-{ev.host}-")]
+        else:  # a worker process of the restart began
+            noticed = [t for t, text, _ in notes if t > ev.at and text.startswith("launched")]
+        # The victim trains again: a step of a process started after the event (bpstrain:
+        # the victim's replacement; torchrun: any, as every worker restarts).
+        fresh = {n for t, text, n in notes if t > ev.at and text.startswith("start")
+                 and (system != "bpstrain" or n.startswith(f"bpstrain-{ev.host}-"))}
+        back = [t for t, _, _, n in steps if n in fresh]
+        events.append({"event": ev.kind, "host": ev.host, "at_s": ev.at - first,
+                       "noticed_s": (noticed[0] - ev.at) if noticed else None, "stall_s": stall,
+                       "steps_lost": lost,
+                       "back_s": (back[0] - ev.at) if back else None})
+    return {"system": system, "seconds": last - first, "steps": final, "samples": samples,
+            "samples_per_s": samples / max(last - first, 1e-9), "accuracy": accuracy, "events": events}
+
+
+def run_system(plan: Plan, cluster: emulated.EmulatedCluster, hosts: EmulatedHosts, system: str,
+               faults: bool) -> dict:
+    """One run of ``system``, with the fault schedule or without; its summary."""
+    with tempfile.TemporaryDirectory(prefix="bpsfaults") as tmp:
+        workdir = tmp
+        if plan.keep:  # the processes' output and progress files, for a look afterwards
+            workdir = os.path.join(plan.keep, f"{system}-{'faults' if faults else 'clean'}")
+            os.makedirs(workdir, exist_ok=True)
+        progress = os.path.join(workdir, "progress")
+        run, injected, done = _Run(hosts, workdir), [], threading.Event()
+        injector = threading.Thread(target=_inject, args=(plan, run, cluster, system, progress, done, injected),
+                                    daemon=True)
+        if faults:
+            injector.start()
+        try:
+            (_run_bpstrain if system == "bpstrain" else _run_torchrun)(plan, hosts, run, progress, faults)
+        finally:
+            done.set()
+            if faults:
+                injector.join()
+            time.sleep(0.5)
+            run.kill_all()
+            for i in range(cluster.num_hosts):  # a cut link must not outlive its run
+                subprocess.run(["ip", "netns", "exec", cluster.netns(i), "ip", "link", "set", cluster.ifname,
+                                "up"], check=False)
+        results = [json.loads(m) for m in re.findall(r"FAULTS_RESULT (.*)", "".join(
+            run.logs(n) for n in run.procs if n.startswith("worker")))]
+        steps, notes = _read_progress(progress)
+        return _summarize(system, steps, notes, injected, results[-1]["accuracy"] if results else float("nan"))
+
+
+def run(plan: Plan) -> list[dict]:
+    """Every system without faults, then with them; their summaries."""
+    for kind in plan.events:
+        if kind not in EVENTS:
+            raise ValueError(f"events are {', '.join(EVENTS)}. Received: {kind!r}")
+    out = []
+    with emulated.EmulatedCluster(plan.workers + plan.servers + 1, plan.rate_mbit) as cluster:
+        hosts = EmulatedHosts(cluster)
+        for system in plan.systems:
+            for faults in (False, True):
+                _log(f"{system}, {'with' if faults else 'without'} faults")
+                summary = run_system(plan, cluster, hosts, system, faults)
+                summary["faults"] = faults
+                out.append(summary)
+                _log(f"  {summary['steps']} steps in {summary['seconds']:.1f} s, "
+                     f"accuracy {summary['accuracy']:.3f}")
+    return out
+
+
+def format_tables(summaries: Sequence[dict]) -> str:
+    lines = ["| system | event | at (s) | others noticed (s) | stall (s) | steps lost | victim back (s) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    fmt = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+    for s in summaries:
+        for e in s["events"]:
+            lines.append(f"| {s['system']} | {e['event']} host {e['host']} | {e['at_s']:.1f} | {fmt(e['noticed_s'])} "
+                         f"| {fmt(e['stall_s'])} | {e['steps_lost']} | {fmt(e['back_s'])} |")
+    lines += ["", "| system | samples/s, no faults | samples/s, faults | goodput | accuracy, no faults "
+              "| accuracy, faults |", "|---|---:|---:|---:|---:|---:|"]
+    for system in dict.fromkeys(s["system"] for s in summaries):
+        clean = next((s for s in summaries if s["system"] == system and not s["faults"]), None)
+        hit = next((s for s in summaries if s["system"] == system and s["faults"]), None)
+        if clean and hit:
+            lines.append(f"| {system} | {clean['samples_per_s']:.0f} | {hit['samples_per_s']:.0f} | "
+                         f"{hit['samples_per_s'] / clean['samples_per_s']:.2f} | {clean['accuracy']:.3f} | "
+                         f"{hit['accuracy']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = Plan()
+    p.add_argument("--workers", type=int, default=d.workers, help="worker hosts")
+    p.add_argument("--servers", type=int, default=d.servers, help="server hosts (bpstrain)")
+    p.add_argument("--rate-mbit", type=float, default=d.rate_mbit)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--events", nargs="+", default=list(d.events), choices=EVENTS)
+    p.add_argument("--every", type=float, default=d.every, help="seconds between events")
+    p.add_argument("--stop-s", type=float, default=d.stop_s)
+    p.add_argument("--cut-s", type=float, default=d.cut_s)
+    p.add_argument("--timeout", type=float, default=d.timeout,
+                   help="bpstrain's comm.timeout and gloo's timeout (s)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="torchrun")
+    p.add_argument("--systems", nargs="+", default=list(d.systems), choices=("bpstrain", "torchrun"))
+    p.add_argument("--json", help="also write the summaries here")
+    p.add_argument("--keep", default="", help="keep each run's logs and progress files in this directory")
+    args = p.parse_args(argv)
+    ok, reason = emulated.available()
+    if not ok:
+        print(f"faults benchmark: {reason}", file=sys.stderr)
+        return 2
+    plan = Plan(workers=args.workers, servers=args.servers, rate_mbit=args.rate_mbit, steps=args.steps,
+                events=args.events, every=args.every, stop_s=args.stop_s, cut_s=args.cut_s,
+                timeout=args.timeout, checkpoint_every=args.checkpoint_every, systems=args.systems,
+                keep=args.keep)
+    summaries = run(plan)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summaries, f, indent=1)
+    print(format_tables(summaries))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

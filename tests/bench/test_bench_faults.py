@@ -1,0 +1,50 @@
+"""The faults benchmark's accounting (bpstrain.bench.faults), on made-up progress lines:
+what a stall, a lost step, a goodput are. The benchmark itself needs root and minutes
+(a README command)."""
+
+import pytest
+
+from bpstrain.bench import faults
+from bpstrain.bench.faults import BATCH, Injected, _summarize, format_tables
+
+
+def _steps(system, rank, points):
+    return [(t, s, w, f"{system}-{rank}-1") for t, s, w in points]
+
+
+def test_a_survivor_that_waited_for_detection_stalls_and_loses_nothing():
+    # 4 workers, a step every 0.1 s; worker 2 hangs at t=1.0 after step 10; the others
+    # finish step 11 at t=4.0 (detection), then go on with 3; 2's replacement is back at 6.0.
+    points = [(0.1 * s, s, 4) for s in range(1, 11)] + [(4.0, 11, 3)] + \
+             [(4.0 + 0.1 * k, 11 + k, 3) for k in range(1, 20)] + [(6.05, 31, 4)]
+    steps = _steps("bpstrain", 0, points) + _steps("bpstrain", 2, [(6.05, 31, 4)])
+    notes = [(3.99, "membership size=3 departed=[2]", "bpstrain-0-1"),
+             (6.0, "start step=30 restart=1", "bpstrain-2-2")]
+    steps[-1] = (6.05, 31, 4, "bpstrain-2-2")
+    s = _summarize("bpstrain", sorted(steps), notes, [Injected("stop", 2, 1.0)], 0.97)
+    (e,) = s["events"]
+    assert e["steps_lost"] == 0 and e["stall_s"] == pytest.approx(3.0)
+    assert e["noticed_s"] == pytest.approx(2.99) and e["back_s"] == pytest.approx(5.05)
+    # Samples that count: the workers of each step.
+    assert s["samples"] == (10 * 4 + 20 * 3 + 4) * BATCH and s["accuracy"] == 0.97
+
+
+def test_a_restart_from_a_checkpoint_loses_the_steps_since_it():
+    # torchrun: step 57 done at 5.7 s, a worker killed at 6.0, everyone restarts from the
+    # checkpoint of step 50 and completes step 51 at 20.1.
+    before = [(0.1 * s, s, 4) for s in range(1, 58)]
+    after = [(20.0 + 0.1 * k, 50 + k, 4) for k in range(1, 60)]
+    steps = [p for r in range(4) for p in _steps("torchrun", r, before + after)]
+    notes = [(12.0, "launched", "torchrun-1-2"), (19.0, "start step=50 restart=1", "torchrun-1-2")]
+    s = _summarize("torchrun", sorted(steps), notes, [Injected("kill", 1, 6.0)], 0.98)
+    (e,) = s["events"]
+    assert e["steps_lost"] == 7 and e["stall_s"] == pytest.approx(14.1) and e["noticed_s"] == pytest.approx(6.0)
+    assert s["samples"] == 109 * 4 * BATCH  # every step once, on 4 workers
+    clean = {**s, "faults": False, "samples_per_s": 2 * s["samples_per_s"], "events": []}
+    table = format_tables([clean, {**s, "faults": True}])
+    assert "| torchrun | kill host 1 | 5.9 | 6.00 | 14.10 | 7 |" in table and "| 0.50 |" in table
+
+
+def test_unknown_events_are_refused():
+    with pytest.raises(ValueError, match="events are kill, stop, cut"):
+        faults.run(faults.Plan(events=["reboot"]))
