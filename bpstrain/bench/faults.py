@@ -49,6 +49,7 @@ from collections.abc import Sequence
 
 from bpstrain.bench import _jobs, emulated
 from bpstrain.bench._hosts import EmulatedHosts
+from bpstrain.launch._procs import child_pids
 
 _WORKER = "bpstrain.bench._faults_worker"
 EVENTS = ("kill", "stop", "cut")
@@ -145,18 +146,13 @@ def _worker_pid(run: _Run, system: str, host_index: int) -> int | None:
         return None
     if system == "bpstrain":
         return proc.pid
-    for entry in os.listdir("/proc"):  # the agent's child that runs the worker module
-        if not entry.isdigit():
-            continue
+    for pid in child_pids(proc.pid):  # the agent's child that runs the worker module
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if _WORKER.encode() in f.read():
+                    return pid
         except OSError:
             continue
-        if ppid == proc.pid and _WORKER.encode() in cmd:
-            return int(entry)
     return None
 
 

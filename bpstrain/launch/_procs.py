@@ -252,6 +252,26 @@ def mute(children: Sequence[ProcessGroup]) -> None:
             child.mute()
 
 
+def child_pids(parent: int) -> list[int]:
+    """Pids of the live children of process ``parent`` ([] without procfs)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # Exited while we looked.
+        if int(fields[1]) == parent and fields[0] != b"Z":  # fields: state, ppid
+            found.append(int(entry))
+    return found
+
+
 def _group_has_live_member(pgid: int) -> bool:
     """False when every process of group ``pgid`` is a zombie.
 

@@ -442,9 +442,10 @@ void Scheduler::TryCompleteDeclarationLocked(const std::string& name) {
 }
 
 void Scheduler::SendToWorkersLocked(MsgType type, const std::string& meta,
-                                    const std::map<int64_t, Declaration>* only) {
+                                    const std::map<int64_t, Declaration>* only, int64_t arg) {
   FrameHeader h;
   h.type = static_cast<uint16_t>(type);
+  h.arg = arg;
   for (auto& n : nodes_)
     if (n->role == Role::kWorker && !n->goodbye && (!only || only->count(n->rank))) n->out->Post(h, meta);
 }

@@ -117,9 +117,9 @@ class Scheduler {
   void MonitorLoop();
   // The partition table of a new tensor; "" with `error` set when it cannot be placed.
   std::string PlaceLocked(int64_t id, const Declaration& d, std::string* error);
-  // To every worker still in the job, or only to the ranks in `only`.
+  // To every worker still in the job, or only to the ranks in `only`; `arg` in the header.
   void SendToWorkersLocked(MsgType type, const std::string& meta = "",
-                           const std::map<int64_t, Declaration>* only = nullptr);
+                           const std::map<int64_t, Declaration>* only = nullptr, int64_t arg = 0);
   void ReleaseLocked(const std::string& placement);  // a re-declared tensor's old bytes
   void SendError(const std::shared_ptr<Node>& node, const std::string& msg);
 

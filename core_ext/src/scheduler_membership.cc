@@ -95,12 +95,7 @@ void Scheduler::TryAdmitLocked() {
     if (n->joining && n->ready_to_join) joining_.push_back(n);
   if (joining_.empty()) {  // nobody to admit: an ordinary barrier
     admit_ranks_.clear();
-    FrameHeader h;
-    h.type = static_cast<uint16_t>(MsgType::kBarrierReply);
-    h.arg = kAdmissionBarrier;
-    for (auto& n : nodes_)
-      if (n->role == Role::kWorker && !n->goodbye) n->out->Post(h);
-    return;
+    return SendToWorkersLocked(MsgType::kBarrierReply, "", nullptr, kAdmissionBarrier);
   }
   std::string who;
   for (auto& j : joining_) {
@@ -132,11 +127,7 @@ void Scheduler::OnMembershipAckLocked(const std::shared_ptr<Node>& server, uint6
   joining_.clear();
   PostMembershipLocked(Role::kWorker);  // before the reply: they read it first
   admit_ranks_.clear();
-  FrameHeader h;
-  h.type = static_cast<uint16_t>(MsgType::kBarrierReply);
-  h.arg = kAdmissionBarrier;
-  for (auto& n : nodes_)
-    if (n->role == Role::kWorker && !n->goodbye) n->out->Post(h);
+  SendToWorkersLocked(MsgType::kBarrierReply, "", nullptr, kAdmissionBarrier);
   TryReleaseBarrierLocked();
 }
 

@@ -22,6 +22,7 @@ import torch
 
 import bpstrain.torch as bps
 from bpstrain import engine
+from bpstrain.launch._procs import child_pids
 
 STEPS = 12
 SAMPLES, BATCH = 56, 2  # the ElasticSampler's epoch: 3 workers x 5 steps, then 2 workers cover the rest
@@ -35,19 +36,14 @@ def rank_data(rank, step):
 
 def kill_the_scheduler():
     """SIGKILLs the launcher's scheduler: the sibling process whose DMLC_ROLE is scheduler."""
-    launcher = os.getppid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in child_pids(os.getppid()):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/environ", "rb") as f:
+            with open(f"/proc/{pid}/environ", "rb") as f:
                 env = f.read().split(b"\0")
         except OSError:
             continue
-        if ppid == launcher and b"DMLC_ROLE=scheduler" in env:
-            os.kill(int(entry), signal.SIGKILL)
+        if b"DMLC_ROLE=scheduler" in env:
+            os.kill(pid, signal.SIGKILL)
             return
     raise RuntimeError("no scheduler process found beside this worker")
 
