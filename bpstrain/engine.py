@@ -192,7 +192,8 @@ def membership() -> Dict[str, Any]:
     received so far were computed under, "scheduler_alive": False once the scheduler is
     gone (the job goes on, but barriers, new tensors and further membership changes
     fail), "joined": rendezvous ranks that joined at the newest :func:`admit`,
-    "admitted_late": True in a worker that joined the running job}``.
+    "admitted_late": True in a worker that joined the running job, "lost_servers": servers
+    that died or hung, whose partitions moved to the others}``.
 
     ``epoch`` changes when this rank hears from the scheduler, which two ranks may do a
     step apart; ``answered_epoch`` changes with the first result the servers computed
@@ -204,13 +205,14 @@ def membership() -> Dict[str, Any]:
         return {"epoch": 0, "departed": [], "rank": state.rank, "size": state.size,
                 "rendezvous_rank": state.rank, "rendezvous_size": state.size,
                 "answered_epoch": 0, "answered_departed": [], "scheduler_alive": True,
-                "joined": [], "admitted_late": False}
+                "joined": [], "admitted_late": False, "lost_servers": []}
     m = state.worker.membership()
     return {"epoch": m["epoch"], "departed": list(m["departed"]), "rank": m["live_rank"],
             "size": m["live_size"], "rendezvous_rank": state.worker.rank,
             "rendezvous_size": state.worker.size, "answered_epoch": m["answered_epoch"],
             "answered_departed": list(m["answered_departed"]), "scheduler_alive": not m["scheduler_lost"],
-            "joined": list(m["joined"]), "admitted_late": bool(m["admitted_late"])}
+            "joined": list(m["joined"]), "admitted_late": bool(m["admitted_late"]),
+            "lost_servers": list(m["lost_servers"])}
 
 
 def on_membership_change(callback: Callable[[Dict[str, Any]], None]) -> None:

@@ -580,13 +580,14 @@ PYBIND11_MODULE(_core, m) {
             d["scheduler_lost"] = m.scheduler_lost;
             d["joined"] = m.joined;
             d["admitted_late"] = m.admitted_late;
+            d["lost_servers"] = m.lost_servers;
             return d;
           },
           "Fault tolerance: {'epoch', 'departed' (rendezvous ranks that left), 'live_rank', 'live_size', "
           "'answered_epoch', 'answered_departed' (the membership the answers received so far were computed "
           "under: the same on every rank between two steps), 'scheduler_lost' (the job goes on without its "
           "scheduler), 'joined' (ranks that joined at the newest admission), 'admitted_late' (this worker "
-          "joined the running job)}.")
+          "joined the running job), 'lost_servers' (servers that died or hung; their partitions moved)}.")
       .def("wait_ready", &Worker::WaitReady, py::arg("seconds"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Worker::rank)
       .def_property_readonly("size", &Worker::size)

@@ -51,9 +51,22 @@ struct OpRequest {
   uint64_t sparse_bytes = 0;
 };
 
-// A worker's record of one queued operation (defined in worker.cc); the policy and the
-// registry only hold it.
-struct OpHandle;
+// A worker's record of one queued operation; the policy and the registry only hold it.
+struct OpHandle {
+  int64_t id = 0;
+  bool barrier = false;
+  OpRequest req;
+  uint64_t version = 0;
+  int total_parts = 0;
+  int remaining = 0;
+  bool done = false;
+  Error::Kind kind = Error::kGeneric;
+  std::string error;
+  int64_t bytes = 0;
+  int64_t enqueued_us = 0, push_begin_us = 0, push_end_us = 0, pull_begin_us = 0;
+  int sent = 0;
+  bool local_group = false;  // hierarchical: reduced by the host's local group
+};
 
 // One partition of a declared tensor: its bytes [offset, offset + len) live on `server`.
 struct Part {

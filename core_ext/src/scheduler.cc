@@ -471,7 +471,7 @@ std::string Scheduler::PlaceLocked(int64_t id, const Declaration& d, std::string
   // the round structure stays the same.
   int64_t part = d.partition_bytes > 0
                      ? std::max<int64_t>(esize, d.partition_bytes / esize * esize)
-                     : AutoPartitionBytes(static_cast<double>(d.link_bytes_per_s), total, opts_.num_servers, esize);
+                     : AutoPartitionBytes(static_cast<double>(d.link_bytes_per_s), total, LiveServersLocked(), esize);
   int64_t nparts = std::max<int64_t>(1, (total + part - 1) / part);
   if (nparts > kMaxPartitions) {
     *error = std::to_string(total) + " bytes in partitions of " + std::to_string(part) + " bytes make " +
@@ -484,19 +484,22 @@ std::string Scheduler::PlaceLocked(int64_t id, const Declaration& d, std::string
   w.I64(id).U32(static_cast<uint32_t>(nparts));
   for (int64_t p = 0; p < nparts; ++p) {
     int64_t off = p * part, len = std::min(part, total - off);
-    // Byte-balanced placement: the next partition goes to the server that stays furthest
-    // below its share (equal shares, or mixed mode's) with it.
-    int server = 0;
-    double best = 0;
-    for (int s = 0; s < opts_.num_servers; ++s) {
-      if (server_share_[s] <= 0) continue;
-      double fill = static_cast<double>(server_load_[s] + std::max<int64_t>(len, 1)) / server_share_[s];
-      if (best == 0 || fill < best) best = fill, server = s;
-    }
-    server_load_[server] += std::max<int64_t>(len, 1);
-    w.I64(off).I64(len).U32(static_cast<uint32_t>(server));
+    // Byte-balanced placement (equal shares, or mixed mode's).
+    w.I64(off).I64(len).U32(static_cast<uint32_t>(PickServerLocked(len)));
   }
   return w.bytes();
+}
+
+int Scheduler::PickServerLocked(int64_t len) {
+  int server = 0;
+  double best = 0;
+  for (int s = 0; s < opts_.num_servers; ++s) {
+    if (server_share_[s] <= 0) continue;
+    double fill = static_cast<double>(server_load_[s] + std::max<int64_t>(len, 1)) / server_share_[s];
+    if (best == 0 || fill < best) best = fill, server = s;
+  }
+  server_load_[server] += std::max<int64_t>(len, 1);
+  return server;
 }
 
 void Scheduler::OnDisconnect(const std::shared_ptr<Node>& node, const std::string& why) {
@@ -509,7 +512,9 @@ void Scheduler::OnDisconnect(const std::shared_ptr<Node>& node, const std::strin
     LogWarn(node->Describe() + " left before the rendezvous completed");
     return;
   }
-  if (opts_.fault_tolerance && node->role == Role::kWorker && failure_.empty()) return DepartLocked(node, why);
+  if (node->role == Role::kServer && node->goodbye) return;  // lost already (hung, then closed)
+  if (opts_.fault_tolerance && failure_.empty())
+    return node->role == Role::kWorker ? DepartLocked(node, why) : ServerLostLocked(node, why);
   FailLocked(node->Describe() + " " + why + "; the job cannot continue");
 }
 
@@ -524,7 +529,7 @@ void Scheduler::TryTerminateLocked() {
   FrameHeader r;
   r.type = static_cast<uint16_t>(MsgType::kTerminate);
   for (auto& n : nodes_)
-    if (n->role == Role::kServer) n->out->Post(r);
+    if (n->role == Role::kServer && !n->goodbye) n->out->Post(r);
   finished_ = true;
   cv_.notify_all();
 }
@@ -576,8 +581,9 @@ void Scheduler::MonitorLoop() {
           ForgetJoinerLocked(n, why);
           continue;
         }
-        if (opts_.fault_tolerance && n->role == Role::kWorker) {
-          DepartLocked(n, why);
+        if (opts_.fault_tolerance) {
+          if (n->role == Role::kWorker) DepartLocked(n, why);
+          else ServerLostLocked(n, why);
           if (!failure_.empty()) break;
           continue;
         }

@@ -107,6 +107,13 @@ class Scheduler {
   void TryAdmitLocked();
   void OnMembershipAckLocked(const std::shared_ptr<Node>& server, uint64_t epoch);
   void ForgetJoinerLocked(const std::shared_ptr<Node>& node, const std::string& why);
+  void AwaitAcksLocked();     // every server in the job must ack the current membership
+  void FinishAdmissionLocked();  // ... and has: the joiners are in
+  // Fault tolerance: `node` (a server) died or hung; its partitions move to the others
+  // (PickServerLocked) and the workers hear where (kServerLost), then push again what it
+  // had not answered. Fails the job when no server would be left.
+  void ServerLostLocked(const std::shared_ptr<Node>& node, const std::string& why);
+  int LiveServersLocked() const { return opts_.num_servers - static_cast<int>(lost_servers_.size()); }
   void PostMembershipLocked(Role role);  // the current membership, to every such node in the job
   std::string WelcomeMetaLocked(const Node& n, uint32_t flags) const;
   int LiveWorkersLocked() const { return num_workers_ - static_cast<int>(departed_.size()); }
@@ -117,6 +124,9 @@ class Scheduler {
   void MonitorLoop();
   // The partition table of a new tensor; "" with `error` set when it cannot be placed.
   std::string PlaceLocked(int64_t id, const Declaration& d, std::string* error);
+  // Byte-balanced placement: the server that stays furthest below its share with a
+  // partition of `len` more bytes (charged to it).
+  int PickServerLocked(int64_t len);
   // To every worker still in the job, or only to the ranks in `only`; `arg` in the header.
   void SendToWorkersLocked(MsgType type, const std::string& meta = "",
                            const std::map<int64_t, Declaration>* only = nullptr, int64_t arg = 0);
@@ -156,7 +166,8 @@ class Scheduler {
   std::vector<std::string> server_endpoints_;  // by server id, from rendezvous on
   std::vector<int64_t> admit_ranks_;           // workers in the job waiting in an admission
   std::vector<std::shared_ptr<Node>> joining_;  // admitted, not yet announced to the workers
-  int acks_missing_ = 0;                        // servers yet to apply the join's membership
+  std::set<int64_t> acks_awaited_;              // servers yet to apply the join's membership
+  std::set<int64_t> lost_servers_;  // fault tolerance: servers that died or hung (their partitions moved)
   std::set<int64_t> rejoined_;  // ranks that joined after rendezvous: declarations answered alone
   uint64_t job_id_ = 0;
 };

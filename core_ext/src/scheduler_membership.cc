@@ -7,6 +7,11 @@
 // barrier, between steps: nothing in flight) and after every server applied the new
 // membership: a round of the new membership then counts the joiner everywhere, and all
 // workers restart their round numbers at epoch << kJoinVersionShift together.
+//
+// A server that dies or hangs is lost (ServerLostLocked): its partitions are placed on the
+// other servers as new ones would be, and the workers push to them again what it had not
+// answered (worker_replacement.cc); synchronous rounds keep no state on a server beyond
+// the round, so nothing else is lost.
 #include <algorithm>
 
 #include "scheduler.h"
@@ -29,7 +34,7 @@ void Scheduler::DepartLocked(const std::shared_ptr<Node>& node, const std::strin
   h.type = static_cast<uint16_t>(MsgType::kMembership);
   node->out->Post(h, MembershipNoticeMeta(static_cast<int64_t>(membership_epoch_), departed_));
   // A join waiting for the servers' acks now waits for their acks of this membership.
-  if (acks_missing_ > 0) acks_missing_ = opts_.num_servers;
+  if (!acks_awaited_.empty()) AwaitAcksLocked();
   barrier_ranks_.erase(std::remove(barrier_ranks_.begin(), barrier_ranks_.end(), node->rank), barrier_ranks_.end());
   admit_ranks_.erase(std::remove(admit_ranks_.begin(), admit_ranks_.end(), node->rank), admit_ranks_.end());
   std::vector<std::string> names;
@@ -89,7 +94,7 @@ void Scheduler::OnAdmissionBarrierLocked(const std::shared_ptr<Node>& node) {
 }
 
 void Scheduler::TryAdmitLocked() {
-  if (acks_missing_ > 0 || admit_ranks_.empty() || static_cast<int>(admit_ranks_.size()) < LiveWorkersLocked())
+  if (!acks_awaited_.empty() || admit_ranks_.empty() || static_cast<int>(admit_ranks_.size()) < LiveWorkersLocked())
     return;
   for (auto& n : nodes_)
     if (n->joining && n->ready_to_join) joining_.push_back(n);
@@ -112,13 +117,23 @@ void Scheduler::TryAdmitLocked() {
   ++membership_epoch_;
   LogWarn(who + " joined the job (fault tolerance, membership " + std::to_string(membership_epoch_) + "): " +
           std::to_string(LiveWorkersLocked()) + " workers");
-  acks_missing_ = opts_.num_servers;
+  AwaitAcksLocked();
   PostMembershipLocked(Role::kServer);  // the workers hear of it once every server applied it
 }
 
+void Scheduler::AwaitAcksLocked() {
+  acks_awaited_.clear();
+  for (auto& n : nodes_)
+    if (n->role == Role::kServer && !n->goodbye) acks_awaited_.insert(n->rank);
+}
+
 void Scheduler::OnMembershipAckLocked(const std::shared_ptr<Node>& server, uint64_t epoch) {
-  if (epoch != membership_epoch_ || acks_missing_ <= 0) return;  // an older change's ack
-  if (--acks_missing_ > 0) return;
+  if (epoch != membership_epoch_ || acks_awaited_.empty()) return;  // an older change's ack
+  acks_awaited_.erase(server->rank);
+  if (acks_awaited_.empty()) FinishAdmissionLocked();
+}
+
+void Scheduler::FinishAdmissionLocked() {
   for (auto& j : joining_) {
     j->joining = j->ready_to_join = false;
     j->goodbye = false;
@@ -148,7 +163,58 @@ void Scheduler::PostMembershipLocked(Role role) {
   h.type = static_cast<uint16_t>(MsgType::kMembership);
   const std::string meta = MembershipNoticeMeta(static_cast<int64_t>(membership_epoch_), departed_);
   for (auto& n : nodes_)
-    if (n->role == role && !(role == Role::kWorker && n->goodbye)) n->out->Post(h, meta);
+    if (n->role == role && !n->goodbye) n->out->Post(h, meta);  // not a departed worker or a lost server
+}
+
+void Scheduler::ServerLostLocked(const std::shared_ptr<Node>& node, const std::string& why) {
+  const int64_t lost = node->rank;
+  if (LiveServersLocked() <= 1)
+    return FailLocked(node->Describe() + " " + why + "; no other server is left to take its partitions");
+  node->goodbye = true;  // out of heartbeat checks, membership notices and the end of the job
+  lost_servers_.insert(lost);
+  server_endpoints_[lost].clear();  // a worker that joins later does not connect to it
+  server_share_[lost] = 0;
+  double left = 0;
+  for (int s = 0; s < opts_.num_servers; ++s) left += server_share_[s];
+  if (left <= 0)  // mixed mode gave the others no share: the survivors share equally
+    for (int s = 0; s < opts_.num_servers; ++s) server_share_[s] = lost_servers_.count(s) ? 0 : 1.0;
+  // Its partitions go where a new tensor's would; the registry's tables say so from now
+  // on (a rank that declares later gets them), the workers hear it in kServerLost.
+  MetaWriter moves;
+  uint32_t moved = 0;
+  for (auto& [name, t] : registry_) {
+    MetaReader r(t.placement);
+    MetaWriter w;
+    w.I64(r.I64());
+    const uint32_t parts = r.U32();
+    w.U32(parts);
+    for (uint32_t p = 0; p < parts; ++p) {
+      const int64_t off = r.I64(), len = r.I64();
+      uint32_t server = r.U32();
+      if (server == static_cast<uint32_t>(lost)) {
+        server = static_cast<uint32_t>(PickServerLocked(len));
+        moves.I64(t.id).U32(p).U32(server);
+        ++moved;
+      }
+      w.I64(off).I64(len).U32(server);
+    }
+    t.placement = w.bytes();
+  }
+  server_load_[lost] = 0;
+  LogWarn(node->Describe() + " " + why + "; fault tolerance: its " + std::to_string(moved) +
+          " partitions move to the " + std::to_string(LiveServersLocked()) + " other servers");
+  const std::string notice = MetaWriter().U32(static_cast<uint32_t>(lost)).U32(moved).bytes() + moves.bytes();
+  FrameHeader lost_notice;
+  lost_notice.type = static_cast<uint16_t>(MsgType::kServerLost);
+  for (auto& n : nodes_)  // the workers in the job and those waiting to join it
+    if (n->role == Role::kWorker && (!n->goodbye || n->joining)) n->out->Post(lost_notice, notice);
+  // A hung server that wakes up reads this first and stops.
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(MsgType::kPeerDead);
+  node->out->Post(h, MetaWriter().Str("this server was declared gone (" + why + ") and its partitions moved to "
+                                      "the other servers").bytes());
+  // A join waiting for its acks does not wait for this one.
+  if (!acks_awaited_.empty() && acks_awaited_.erase(lost) && acks_awaited_.empty()) FinishAdmissionLocked();
 }
 
 }  // namespace bps

@@ -1,6 +1,7 @@
 #include "send_policy.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <utility>
 
 namespace bps {
@@ -36,7 +37,7 @@ void SendPolicy::AddOp(std::shared_ptr<OpHandle> op, uint64_t key_base, uint64_t
   const std::vector<size_t> order = SpreadOrder(servers, rank, static_cast<int>(queues_.size()));
   for (size_t p : order) {
     const Part& part = parts[p];
-    SendTask t{op, key_base | p, version, part.offset, part.len, part.server, priority, next_seq_++};
+    SendTask t{op, key_base | p, version, part.offset, part.len, part.server, priority, next_seq_++, nullptr};
     queues_[part.server].push(std::move(t));
   }
 }
@@ -60,6 +61,19 @@ SendTask SendPolicy::Pop(int server) {
   queues_[server].pop();
   in_flight_ += t.len;
   return t;
+}
+
+std::vector<SendTask> SendPolicy::Drain(int server) {
+  std::vector<SendTask> out;
+  auto& q = queues_[server];
+  for (; !q.empty(); q.pop()) out.push_back(q.top());
+  return out;
+}
+
+void SendPolicy::AddRecovered(std::shared_ptr<const RetainedAnswer> answer, uint64_t key, uint64_t version,
+                              int64_t len, int server) {
+  SendTask t{nullptr, key, version, 0, len, server, INT32_MAX, next_seq_++, std::move(answer)};
+  queues_[server].push(std::move(t));
 }
 
 }  // namespace bps

@@ -27,13 +27,18 @@
 
 namespace bps {
 
+struct RetainedAnswer;  // answer_archive.h
+
 struct SendTask {
-  std::shared_ptr<OpHandle> op;  // the worker's operation (null in tests)
+  std::shared_ptr<OpHandle> op;  // the worker's operation (null in tests and for recovered answers)
   uint64_t key = 0, version = 0;
   int64_t offset = 0, len = 0;
   int server = 0;
   int priority = 0;
   uint64_t seq = 0;  // position in the global order among equal priorities
+  // Not a push: an answer of a lost server, for the partition's new server (fault
+  // tolerance, answer_archive.h).
+  std::shared_ptr<const RetainedAnswer> recovered;
 };
 
 class SendPolicy {
@@ -50,6 +55,13 @@ class SendPolicy {
   // The push of `len` bytes has left this process: its credit returns.
   void Done(int64_t len) { in_flight_ -= len; }
   bool Empty(int server) const { return queues_[server].empty(); }
+  // Fault tolerance, a server was lost: takes its queued partitions out, to be queued
+  // again for their new servers (Requeue keeps each one's place in the order).
+  std::vector<SendTask> Drain(int server);
+  void Requeue(SendTask t) { queues_[t.server].push(std::move(t)); }
+  // A recovered answer for `server`, ahead of every push: the other workers wait for it.
+  void AddRecovered(std::shared_ptr<const RetainedAnswer> answer, uint64_t key, uint64_t version, int64_t len,
+                    int server);
   int64_t bytes_in_flight() const { return in_flight_; }
   int64_t credit() const { return credit_; }
 

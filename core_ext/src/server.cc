@@ -12,19 +12,6 @@ namespace bps {
 
 // One worker's data link: a reader (ServeConnection) and an outbox, so the engine
 // threads never block on the network.
-struct Server::Conn {
-  std::shared_ptr<Link> link;
-  std::unique_ptr<Outbox> out;
-  int64_t worker_rank = -1;
-
-  void Reply(const FrameHeader& h, std::string meta = "", std::shared_ptr<Buffer> body = nullptr) {
-    const uint64_t len = body ? h.body_len : 0;
-    const void* data = body ? body->data() : nullptr;
-    out->Post(Outbox::Frame{h, std::move(meta), std::move(body), data, len});
-  }
-  void Close() { out->Close(); }
-};
-
 namespace {
 
 std::string ListenHost(const ServerOptions& o, const Transport& t) {
@@ -362,7 +349,9 @@ void Server::ExpireRounds(EngineThread* et) {
 
 void Server::ForgetFinished(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it) {
   const uint64_t key = it->first.first;
+  const bool recovered = it->second.recovered;
   et->finished.erase(it);
+  if (recovered) return;  // not part of k-of-n's backlog
   if (--et->backlog[key] <= 0) et->backlog.erase(key);
   ReleaseHeld(et, key);
 }
@@ -447,6 +436,13 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
         p.row_width < 1 || p.row_width > (1u << 20) || p.len % unit != 0 || !std::isfinite(p.lr) || p.lr < 0 ||
         !ParseRowTableSpec(p.param_spec, &spec).empty())
       throw FrameError("an embedding-table operation with a bad width, length, learning rate or spec");
+  } else if (param == kRecoveredAnswer) {
+    p.recovered_summed = r.I64();
+    p.recovered_flags = static_cast<uint16_t>(r.U32());
+    p.recovered_meta = r.Str();
+    if (empty || p.complete_at != p.expected || p.recovered_summed < 1 || p.recovered_summed > p.expected ||
+        (p.recovered_flags & ~kFlagReduced))
+      throw FrameError("a recovered answer without its bytes, of a k-of-n round, or with a bad count or flags");
   } else {
     throw FrameError("push with unknown parameter operation " + std::to_string(param));
   }
@@ -464,6 +460,7 @@ void Server::Process(EngineThread* et, Task& t) {
     return Reject(t, "worker " + std::to_string(p.sender) + " pushed round " + std::to_string(p.version) +
                      " of partition " + std::to_string(p.key) + ", from before that rank rejoined the job: a "
                      "stale process of a replaced worker is refused, not merged");
+  if (p.param == kRecoveredAnswer) return ProcessRecoveredAnswer(et, t);
   if (p.param == kParamUpdate) return ProcessParamUpdate(et, t);
   if (p.param == kSparseRows || p.param == kRowsPush) return ProcessSparse(et, t);
   if (p.param == kRowsPull) return ProcessRowsPull(et, t);
@@ -548,6 +545,7 @@ void Server::CompleteRound(EngineThread* et, std::map<std::pair<uint64_t, uint64
   PendingRound& pr = it->second;
   Round& r = pr.round;
   auto what = [&r] { return "partition " + std::to_string(r.key) + " round " + std::to_string(r.version); };
+  if (!et->finished.empty()) ForgetRecoveredBefore(et, r.key, r.version);
   std::string error = pr.error.empty() ? et->handler->OnRoundComplete(r) : pr.error;
   if (error.empty() && pr.param == kParamInit) {
     // The weights start from the root's model (BytePS's async mode started from zeros).
@@ -613,15 +611,15 @@ void Server::AnswerLate(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>
     return Reject(t, "duplicate push of " + what + " from the same worker");
   FrameHeader reply;
   reply.type = static_cast<uint16_t>(f.error.empty() ? MsgType::kPullReply : MsgType::kError);
-  reply.flags = kFlagLate;
+  reply.flags = f.recovered ? f.reply_flags : static_cast<uint16_t>(kFlagLate);
   reply.key = p.key;
   reply.version = p.version;
   reply.arg = r.pushes;
-  std::shared_ptr<Buffer> body = f.error.empty() ? et->handler->OnPull(r, p.sender) : nullptr;
+  std::shared_ptr<Buffer> body = f.recovered ? r.result : f.error.empty() ? et->handler->OnPull(r, p.sender) : nullptr;
   reply.body_len = body ? r.len : 0;
-  const std::string meta = f.error.empty()
-                               ? MetaWriter().I64(static_cast<int64_t>(et->finished_through[p.key])).bytes()
-                               : MetaWriter().Str(f.error).bytes();
+  const std::string meta = f.recovered       ? f.reply_meta
+                           : f.error.empty() ? MetaWriter().I64(static_cast<int64_t>(et->finished_through[p.key])).bytes()
+                                             : MetaWriter().Str(f.error).bytes();
   t.from->Reply(reply, meta, std::move(body));
   t.push.body.reset();  // the late gradient goes back to the pool now
   f.answered.push_back(p.sender);

@@ -102,6 +102,11 @@ class Server {
     std::string error;        // what the round answered instead of data, if it failed
     std::vector<int> answered;  // ranks answered so far
     Clock::time_point finished = Clock::now();
+    // Not k-of-n: a lost server's answer a worker handed over (kRecoveredAnswer), for the
+    // workers that server had not answered; replied with its flags and meta.
+    bool recovered = false;
+    uint16_t reply_flags = 0;
+    std::string reply_meta;
   };
   // A row-sparse round (kSparseRows): pushes of any length, merged by row id.
   struct SparseRound {
@@ -182,6 +187,10 @@ class Server {
   void AnswerLate(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, FinishedRound>::iterator it,
                   Task& t);
   void ProcessParamUpdate(EngineThread* et, Task& t);
+  // server_membership.cc: a lost server's answer (fault tolerance) answers the round here.
+  void ProcessRecoveredAnswer(EngineThread* et, Task& t);
+  // Forgets the recovered answers of `key` older than `version` (every worker is past them).
+  void ForgetRecoveredBefore(EngineThread* et, uint64_t key, uint64_t version);
   void ProcessSparse(EngineThread* et, Task& t);
   void ProcessRowsPull(EngineThread* et, Task& t);
   // The key's table, created with this width and spec; null (and *error set) on a mismatch.
@@ -223,6 +232,21 @@ class Server {
   Error::Kind failure_kind_ = Error::kPeer;
   std::atomic<bool> stopping_{false};
   std::atomic<int64_t> expired_rounds_{0};
+};
+
+// One worker's data connection; replies go out through its outbox (never under a lock
+// that waits for the network).
+struct Server::Conn {
+  std::shared_ptr<Link> link;
+  std::unique_ptr<Outbox> out;
+  int64_t worker_rank = -1;
+
+  void Reply(const FrameHeader& h, std::string meta = "", std::shared_ptr<Buffer> body = nullptr) {
+    const uint64_t len = body ? h.body_len : 0;
+    const void* data = body ? body->data() : nullptr;
+    out->Post(Outbox::Frame{h, std::move(meta), std::move(body), data, len});
+  }
+  void Close() { out->Close(); }
 };
 
 }  // namespace bps

@@ -51,6 +51,11 @@ struct Push {
   ServerOptimizer optimizer;    // init
   double lr = 0;                // update
   uint32_t row_width = 0;       // kSparseRows: floats per row
+  // kRecoveredAnswer (a lost server's answer of this round, from a worker that got it):
+  // the reply's `arg`, flags and meta as that server sent them; `body` is the answer.
+  int64_t recovered_summed = 0;
+  uint16_t recovered_flags = 0;
+  std::string recovered_meta;
 };
 
 // The state of one (key, version) round; the server creates it at the first push and

@@ -4,6 +4,10 @@
 // before they left (kept: the answer says how many pushes it sums, and averages divide
 // by that). Rounds that already have them all are answered at once; pushes from a
 // departed worker that arrive later are refused.
+//
+// When another server was lost, the workers push its partitions here instead; a worker
+// that had its answer of a round hands it over (kRecoveredAnswer), so the workers it had
+// not answered get the same bytes (ProcessRecoveredAnswer).
 #include <algorithm>
 
 #include "server.h"
@@ -140,6 +144,69 @@ void Server::ApplyMembership(EngineThread* et) {
     FitToMembership(et, it->second);
     if (!it->second.senders.empty() && static_cast<int>(it->second.senders.size()) >= it->second.expected)
       CompleteSparse(et, it);
+    it = next;
+  }
+}
+
+void Server::ProcessRecoveredAnswer(EngineThread* et, Task& t) {
+  // A worker hands over the answer a lost server sent it (worker_replacement.cc). Workers
+  // that server did not answer push the round here again; they get these bytes, so every
+  // rank applies the same update. No reply: the worker that sends it has its answer.
+  const Push& p = t.push;
+  const auto id = std::make_pair(p.key, p.version);
+  const int live = p.expected == num_workers_ ? num_workers_ - static_cast<int>(et->departed.size()) : p.expected;
+  auto kept = et->finished.find(id);
+  if (kept != et->finished.end()) {  // another worker handed it over first
+    FinishedRound& f = kept->second;
+    if (std::find(f.answered.begin(), f.answered.end(), p.sender) == f.answered.end()) f.answered.push_back(p.sender);
+    if (static_cast<int>(f.answered.size()) >= live) ForgetFinished(et, kept);
+    return;
+  }
+  FinishedRound f;
+  f.recovered = true;
+  f.reply_flags = p.recovered_flags;
+  f.reply_meta = p.recovered_meta;
+  f.answered.push_back(p.sender);
+  Round& r = f.round;
+  r.key = p.key;
+  r.version = p.version;
+  r.dtype = p.dtype;
+  r.len = p.len;
+  r.expected = p.expected;
+  r.complete_at = p.complete_at;
+  r.broadcast = p.broadcast;
+  r.root = p.root;
+  r.pushes = static_cast<int>(p.recovered_summed);
+  r.result = t.push.body;
+  auto pending = et->rounds.find(id);
+  if (pending != et->rounds.end()) {  // the workers without the answer pushed it here again
+    PendingRound& pr = pending->second;
+    if (pr.round.dtype != r.dtype || pr.round.len != r.len) {
+      LogWarn("worker " + std::to_string(p.sender) + " handed over an answer of partition " + std::to_string(p.key) +
+              " round " + std::to_string(p.version) + " of another dtype or length than its pushes here; ignored");
+      return;
+    }
+    FrameHeader reply;
+    reply.type = static_cast<uint16_t>(MsgType::kPullReply);
+    reply.flags = f.reply_flags;
+    reply.key = r.key;
+    reply.version = r.version;
+    reply.arg = r.pushes;
+    reply.body_len = r.len;
+    for (size_t i = 0; i < pr.waiters.size(); ++i) {
+      pr.waiters[i]->Reply(reply, f.reply_meta, r.result);
+      f.answered.push_back(pr.round.senders[i]);
+    }
+    et->rounds.erase(pending);
+  }
+  if (static_cast<int>(f.answered.size()) < live) et->finished.emplace(id, std::move(f));
+}
+
+void Server::ForgetRecoveredBefore(EngineThread* et, uint64_t key, uint64_t version) {
+  auto it = et->finished.lower_bound({key, 0});
+  while (it != et->finished.end() && it->first.first == key && it->first.second < version) {
+    auto next = std::next(it);
+    if (it->second.recovered) ForgetFinished(et, it);
     it = next;
   }
 }

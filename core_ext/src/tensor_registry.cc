@@ -119,4 +119,14 @@ std::shared_ptr<TensorDecl> TensorRegistry::Find(const std::string& name) const 
   return it == current_.end() ? nullptr : it->second;
 }
 
+void TensorRegistry::MoveParts(const std::function<int(int64_t, size_t)>& moved) {
+  for (auto& [name, t] : current_) {
+    if (!t->declared) continue;
+    for (size_t p = 0; p < t->parts.size(); ++p) {
+      const int to = moved(t->id, p);
+      if (to >= 0) t->parts[p].server = to;
+    }
+  }
+}
+
 }  // namespace bps

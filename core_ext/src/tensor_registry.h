@@ -11,6 +11,7 @@
 #pragma once
 
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -53,6 +54,9 @@ class TensorRegistry {
   // Fault tolerance, a worker joined: every tensor's rounds are numbered from `base` on
   // (kJoinVersionShift), those declared later too.
   void RestartVersions(uint64_t base);
+  // Fault tolerance, a server was lost: each declared partition for which `moved(id,
+  // index)` names a server (>= 0) lives there from now on.
+  void MoveParts(const std::function<int(int64_t id, size_t index)>& moved);
   // The current declaration of `name`, or null.
   std::shared_ptr<TensorDecl> Find(const std::string& name) const;
 

@@ -12,7 +12,7 @@ void CheckHeader(const FrameHeader& h, uint64_t max_body, uint32_t max_meta) {
       return std::string(b);
     }() + " (not a bpstrain peer?)");
   if (h.type < static_cast<uint16_t>(MsgType::kHello) ||
-      h.type > static_cast<uint16_t>(MsgType::kMembershipAck))
+      h.type > static_cast<uint16_t>(MsgType::kServerLost))
     throw FrameError("unknown frame type " + std::to_string(h.type));
   if (h.meta_len > max_meta)
     throw FrameError("metadata of " + std::to_string(h.meta_len) + " bytes exceeds the limit of " +

@@ -49,6 +49,9 @@ enum class MsgType : uint16_t {
                       // rejoined; meta: u64 epoch, i64 vector of every rank out of the job now
   kMembershipAck = 23,  // server -> scheduler: applied the kMembership of epoch `key` (a
                         // join is announced to the workers only after every server has)
+  kServerLost = 24,   // scheduler -> workers (comm.fault_tolerance): a server died or hung and
+                      // its partitions moved; meta: u32 server id, u32 n, then n x (i64
+                      // tensor id, u32 partition index, u32 new server)
 };
 
 // kBarrier / kBarrierReply `arg`: an ordinary barrier, or an admission (Worker::
@@ -76,9 +79,14 @@ enum PushFlags : uint16_t {
 //   kSparseRows (row-sparse push_pull, sparse_rows.h; `arg` = the body's length, which
 //     varies per push): u32 row width (floats);
 //   kRowsPull / kRowsPush (the servers as embedding storage, row_table.h; body: ids /
-//     ids and gradient rows): u32 row width, str table spec, and for a push f64 lr.
+//     ids and gradient rows): u32 row width, str table spec, and for a push f64 lr;
+//   kRecoveredAnswer (fault tolerance, a server was lost: the answer of round `version`
+//     that this worker received from the lost server, so that the partition's new server
+//     answers the workers that did not get it with the same bytes; no reply): i64 pushes
+//     it summed, u32 its reply flags, str its reply meta. The body is the answer.
 enum ParamOp : uint32_t {
-  kParamNone = 0, kParamInit = 1, kParamUpdate = 2, kSparseRows = 3, kRowsPull = 4, kRowsPush = 5
+  kParamNone = 0, kParamInit = 1, kParamUpdate = 2, kSparseRows = 3, kRowsPull = 4, kRowsPush = 5,
+  kRecoveredAnswer = 6
 };
 // A kPush with kFlagEmpty that is not a broadcast is a catch-up pull: a k-of-n worker
 // that fell behind takes an answered round's result without contributing.

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 #include "affinity.h"
 #include "local_group.h"
@@ -14,21 +15,6 @@
 
 namespace bps {
 
-struct OpHandle {
-  int64_t id = 0;
-  bool barrier = false;
-  OpRequest req;
-  uint64_t version = 0;
-  int total_parts = 0;
-  int remaining = 0;
-  bool done = false;
-  Error::Kind kind = Error::kGeneric;
-  std::string error;
-  int64_t bytes = 0;
-  int64_t enqueued_us = 0, push_begin_us = 0, push_end_us = 0, pull_begin_us = 0;
-  int sent = 0;
-  bool local_group = false;  // hierarchical: reduced by the host's local group
-};
 
 namespace {
 constexpr int kPartBits = 20;  // key = tensor id << 20 | partition index
@@ -96,6 +82,11 @@ void Worker::Rendezvous() {
               std::to_string(size_) + " workers pushed it; late pushes get the same answer and are dropped");
     std::vector<std::unique_ptr<DataConn>> conns;
     for (int s = 0; s < static_cast<int>(servers_.size()); ++s) {
+      if (servers_[s].empty()) {  // lost before this worker joined: its partitions moved
+        std::lock_guard<std::mutex> lk(mu_);
+        lost_servers_.insert(s);
+        continue;
+      }
       for (int c = 0; c < opts_.connections_per_server; ++c) {
         auto dc = std::make_unique<DataConn>();
         dc->server = s;
@@ -136,7 +127,7 @@ void Worker::Rendezvous() {
   } catch (const Error& e) {
     // A server closing during the connect or the link probe is most often the job
     // failing elsewhere (a worker that already stopped): wait for the scheduler's notice.
-    if (joined && e.kind() == Error::kPeer) FailServerLost(e.what());
+    if (joined && e.kind() == Error::kPeer) FailServerLost(-1, e.what());
     else Fail(e.kind(), e.what());
   } catch (const std::exception& e) {
     Fail(Error::kGeneric, e.what());
@@ -176,41 +167,6 @@ void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
                 auto_part ? " (auto)" : " (partition_bytes set by the user: auto-tuning of partitions is off)");
   if (rank_ == 0 || !auto_part) LogInfo(line);
   else LogDebug(line);
-}
-
-bool Worker::UseHierarchy() const {
-  if (opts_.hierarchical == WorkerOptions::kOff || opts_.local_size <= 1) return false;
-  if (consistency_.mode != ConsistencySpec::kSync) {
-    // The servers step each worker's clock (ssp) or push (async) on its own.
-    if (opts_.hierarchical == WorkerOptions::kOn)
-      throw Error(Error::kConfig, "comm.consistency " + opts_.consistency +
-                                      " needs the flat path; set comm.hierarchical to auto or false");
-    LogInfo("hierarchical mode (auto) is off: comm.consistency " + opts_.consistency + " counts single workers");
-    return false;
-  }
-  if (opts_.fault_tolerance) {
-    // A host's shared-memory group would wait for a member that died.
-    if (opts_.hierarchical == WorkerOptions::kOn)
-      throw Error(Error::kConfig, "comm.fault_tolerance needs the flat path; set comm.hierarchical to auto or false");
-    LogInfo("hierarchical mode (auto) is off: comm.fault_tolerance goes on without workers that leave");
-    return false;
-  }
-  if (KOfN()) {
-    // The host's ranks reduce together, so one slow rank holds up its host's push: the
-    // servers could only leave out whole hosts. k-of-n counts workers, on the flat path.
-    if (opts_.hierarchical == WorkerOptions::kOn)
-      throw Error(Error::kConfig, "comm.aggregate k:" + std::to_string(opts_.aggregate) +
-                                      " needs the flat path; set comm.hierarchical to auto or false");
-    LogInfo("hierarchical mode (auto) is off: k-of-n aggregation (comm.aggregate) counts single workers");
-    return false;
-  }
-  if (opts_.hierarchical == WorkerOptions::kOn) return true;  // StartLocalGroup checks the layout
-  if (size_ % opts_.local_size != 0 || opts_.rank_hint != rank_) {
-    LogInfo("hierarchical mode (auto) is off: it needs DMLC_WORKER_ID on every worker and "
-            "DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE workers; using the flat path");
-    return false;
-  }
-  return true;
 }
 
 int Worker::CompleteAt(const OpRequest& req) const {
@@ -328,6 +284,7 @@ int64_t Worker::EnqueueBarrierLocked(int64_t kind) {
 
 void Worker::ScheduleLocked(const std::shared_ptr<OpHandle>& h, TensorDecl& t) {
   h->total_parts = h->remaining = static_cast<int>(t.parts.size());
+  if (h->req.param != kParamNone) server_held_state_ = true;  // weights or a table: lost with a server
   policy_->AddOp(h, static_cast<uint64_t>(t.id) << kPartBits, h->version, h->req.priority, t.parts, rank_);
   send_cv_.notify_all();
 }
@@ -349,6 +306,8 @@ void Worker::OnControl(const FrameHeader& h, const std::string& meta) {
       return Fail(Error::kPeer, MetaReader(meta).Str());
     case MsgType::kMembership:
       return OnMembership(meta);
+    case MsgType::kServerLost:
+      return OnServerLost(meta);
     case MsgType::kError:
       return Fail(Error::kGeneric, "the scheduler reported: " + MetaReader(meta).Str());
     default:
@@ -417,19 +376,24 @@ void Worker::StartLocalGroup(uint64_t job_id) {
 
 void Worker::SenderLoop(DataConn* c) {
   SetupEngineThread("bps-send" + std::to_string(c->server), cpus_);
-  struct Exit {  // Shutdown waits (briefly) for the goodbyes
+  struct Exit {  // Shutdown waits (briefly) for the goodbyes, OnServerLost for a lost server's
     Worker* w;
+    DataConn* c;
     ~Exit() {
       std::lock_guard<std::mutex> lk(w->mu_);
       ++w->senders_exited_;
+      c->sender_done = true;
       w->cv_.notify_all();
     }
-  } exit_note{this};
+  } exit_note{this, c};
   for (;;) {
     SendTask t;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      send_cv_.wait(lk, [&] { return stopping_ || failed_ || policy_->Ready(c->server); });
+      send_cv_.wait(lk, [&] {
+        return stopping_ || failed_ || policy_->Ready(c->server) || lost_servers_.count(c->server);
+      });
+      if (lost_servers_.count(c->server)) return;
       if (stopping_ && !failed_ && opts_.fault_tolerance) {
         lk.unlock();
         return SendGoodbye(c);
@@ -437,6 +401,14 @@ void Worker::SenderLoop(DataConn* c) {
       if (stopping_ || failed_) return;
       t = policy_->Pop(c->server);
       send_cv_.notify_all();  // another queue's head may now be the global next
+      if (t.recovered) {
+        lk.unlock();
+        const bool sent = SendRecoveredAnswer(c, t);
+        lk.lock();
+        policy_->Done(t.len);
+        if (!sent) return;
+        continue;
+      }
       if (t.op->done) {       // its op already failed
         policy_->Done(t.len);
         continue;
@@ -477,7 +449,13 @@ void Worker::SenderLoop(DataConn* c) {
         meta.U32(kRowsPush).U32(req.sparse_row_width).Str(req.server_optimizer).F64(req.lr);
       c->link->Send(h, meta.bytes(), send_body ? body : nullptr, send_body ? body_len : 0);
     } catch (const Error& e) {
-      if (!stopping_) Fail(Error::kPeer, e.what());
+      if (stopping_) return;
+      if (!ServersReplaceable()) return Fail(Error::kPeer, e.what());
+      // The receiver waits for the scheduler's word on this server (FailServerLost); if
+      // it was lost, this push goes again to the partition's new server.
+      std::lock_guard<std::mutex> lk(mu_);
+      policy_->Done(t.len);
+      send_cv_.notify_all();
       return;
     }
     // Credit returns once the push has left this process, not when the sum comes back:
@@ -493,21 +471,23 @@ void Worker::SenderLoop(DataConn* c) {
   }
 }
 
-void Worker::SendGoodbye(DataConn* c) {
-  // Fault tolerance: tells the server this worker shut down cleanly. While the scheduler
-  // is gone, the server tells a finished worker from a dead one by this (server.cc).
-  FrameHeader h;
-  h.type = static_cast<uint16_t>(MsgType::kGoodbye);
-  h.sender = rank_;
-  try {
-    c->link->Send(h);
-  } catch (const Error&) {
-    // The server is gone or going: nothing to tell.
-  }
-}
-
 void Worker::ReceiverLoop(DataConn* c) {
   SetupEngineThread("bps-recv" + std::to_string(c->server), cpus_);
+  struct Exit {  // OnServerLost waits for a lost server's receivers
+    Worker* w;
+    DataConn* c;
+    ~Exit() {
+      std::lock_guard<std::mutex> lk(w->mu_);
+      c->receiver_done = true;
+      w->cv_.notify_all();
+    }
+  } exit_note{this, c};
+  SendTask t;
+  bool receiving = false;  // `t` was taken out of in_flight_ and is not complete yet
+  auto put_back = [&] {    // a reply cut off: the partition is pushed again if its server is lost
+    std::lock_guard<std::mutex> lk(mu_);
+    if (receiving && !t.op->done) in_flight_[{t.key, t.version}] = t;
+  };
   try {
     FrameHeader h;
     std::string meta;
@@ -515,7 +495,6 @@ void Worker::ReceiverLoop(DataConn* c) {
       const bool ok = h.type == static_cast<uint16_t>(MsgType::kPullReply);
       if (!ok && h.type != static_cast<uint16_t>(MsgType::kError))
         throw FrameError("unexpected frame type " + std::to_string(h.type) + " from a server");
-      SendTask t;
       bool discard = false;
       {
         std::lock_guard<std::mutex> lk(mu_);
@@ -523,6 +502,7 @@ void Worker::ReceiverLoop(DataConn* c) {
         if (it == in_flight_.end())
           throw FrameError("reply for a partition that is not in flight (key " + std::to_string(h.key) + ")");
         t = it->second;
+        receiving = true;
         in_flight_.erase(it);
         discard = t.op->done;
         if (trace_ && !t.op->pull_begin_us) t.op->pull_begin_us = WallMicros();
@@ -556,12 +536,28 @@ void Worker::ReceiverLoop(DataConn* c) {
         // adapter checks the ids (sorted, in range) when it unpacks them.
         merged.resize(h.body_len);
         c->link->RecvBody(merged.data(), h.body_len);
+      } else if (ServersReplaceable() && req.param == kParamNone) {
+        // Kept for a lost server's new one (answer_archive.h), and only then copied out.
+        auto kept = archive_.Slot(h.key, h.body_len);
+        c->link->RecvBody(kept->bytes.data(), h.body_len);
+        kept->version = h.version;
+        kept->dtype = req.dtype;
+        kept->broadcast = req.op == Op::kBroadcast;
+        kept->participants = static_cast<uint32_t>(participants);
+        kept->root = kept->broadcast ? static_cast<uint32_t>(req.root) : UINT32_MAX;
+        kept->complete_at = static_cast<uint32_t>(complete_at);
+        kept->summed = summed;
+        kept->flags = h.flags;
+        kept->meta = meta;
+        std::memcpy(dst, kept->bytes.data(), h.body_len);
+        archive_.Keep(std::move(kept));
       } else {
         c->link->RecvBody(dst, h.body_len);
+      }
+      if (ok && !discard && !sparse && req.op == Op::kAverage) {
         // A k-of-n answer is averaged over the workers it sums (participants 0 = size_).
-        if (req.op == Op::kAverage)
-          DivideInPlace(req.dtype, dst, static_cast<size_t>(t.len) / DTypeSize(req.dtype),
-                        summed < participants ? summed : size_);
+        DivideInPlace(req.dtype, dst, static_cast<size_t>(t.len) / DTypeSize(req.dtype),
+                      summed < participants ? summed : size_);
       }
       // k-of-n answers say the newest round the server answered early: how far the
       // other workers are (RoundsBehind).
@@ -594,33 +590,16 @@ void Worker::ReceiverLoop(DataConn* c) {
       ++stats_.partitions;
       if (!ok) FailHandleLocked(t.op, Error::kGeneric, "server: " + MetaReader(meta).Str());
       CompletePartLocked(t.op);
+      receiving = false;
       send_cv_.notify_all();
     }
-    FailServerLost(c->link->peer() + " closed the connection (server died?)");
+    FailServerLost(c->server, c->link->peer() + " closed the connection (server died?)");
   } catch (const FrameError& e) {
     Fail(Error::kPeer, "malformed frame from " + c->link->peer() + ": " + e.what());
   } catch (const Error& e) {
-    FailServerLost(e.what());
+    put_back();
+    FailServerLost(c->server, e.what());
   }
-}
-
-void Worker::FailServerLost(const std::string& msg) {
-  // A server leaves when the scheduler declares another node dead, at about the moment
-  // the scheduler's notice reaches this worker's control connection. Give that notice
-  // a moment to arrive, so the error names the node that really died.
-  {
-    std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait_for(lk, std::chrono::seconds(1), [&] { return failed_ || stopping_.load(); });
-  }
-  if (stopping_) return;
-  std::string why = msg;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!scheduler_lost_.empty())
-      why += " (the scheduler is gone too: without it the job cannot go on without a worker that died or left, "
-             "and the servers end it; their log names the worker)";
-  }
-  Fail(Error::kPeer, why);
 }
 
 void Worker::CompletePartLocked(const std::shared_ptr<OpHandle>& h) {

@@ -22,17 +22,20 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <queue>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "answer_archive.h"
 #include "common.h"
 #include "control.h"
 #include "op_request.h"
@@ -106,6 +109,7 @@ struct Membership {
   bool scheduler_lost = false;
   std::vector<int64_t> joined;  // rendezvous ranks that joined at the newest admission
   bool admitted_late = false;   // this worker joined the running job (in a place that was free)
+  std::vector<int64_t> lost_servers;  // servers that died or hung; their partitions moved
 };
 
 // Wall-clock microseconds (system_clock) of one finished operation's phases, recorded
@@ -197,6 +201,7 @@ class Worker {
     std::shared_ptr<Link> link;
     int server;
     std::thread sender, receiver;
+    bool sender_done = false, receiver_done = false;  // under mu_: the loops returned
   };
 
   void Rendezvous();
@@ -231,7 +236,17 @@ class Worker {
   void FailHandleLocked(const std::shared_ptr<OpHandle>& h, Error::Kind kind, const std::string& msg);
   void Fail(Error::Kind kind, const std::string& msg);
   void FailWaitingLocked(TensorDecl& t, Error::Kind kind, const std::string& msg);  // its unfinished ops
-  void FailServerLost(const std::string& msg);  // a data connection broke
+  // A data connection to `server` broke (-1: during rendezvous). Where servers can be
+  // replaced, waits for the scheduler to say it was lost (then returns quietly).
+  void FailServerLost(int server, const std::string& msg);
+  // worker_replacement.cc, fault tolerance: kServerLost from the scheduler. The lost
+  // server's links close, its partitions move, what it had not answered is pushed again
+  // and the answers kept in archive_ go to the new servers.
+  void OnServerLost(const std::string& meta);
+  // Whether a lost server can be replaced: fault tolerance, several servers, synchronous
+  // rounds without k-of-n (the servers keep nothing beyond a round).
+  bool ServersReplaceable() const;
+  bool SendRecoveredAnswer(DataConn* c, const SendTask& t);  // false: the link broke
   void StartLocalGroup(uint64_t job_id);
   std::shared_ptr<TensorDecl> DeclareLocked(const OpRequest& req, int participants);
   std::shared_ptr<OpHandle> NewHandleLocked(const OpRequest& req);
@@ -254,8 +269,15 @@ class Worker {
   std::shared_ptr<Transport> transport_;
   std::vector<std::string> servers_;  // endpoints by server id
   std::vector<std::unique_ptr<DataConn>> conns_;
+  std::set<int> lost_servers_;      // under mu_: fault tolerance, servers the scheduler declared lost
+  bool server_held_state_ = false;  // under mu_: weights or tables on the servers were used
+  AnswerArchive archive_;           // the last answer of each partition (ServersReplaceable)
   int64_t credit_ = 0;
   LinkEstimate link_;
+  // How long a worker whose link to a server broke waits for the scheduler to declare that
+  // server lost (fault tolerance) before it fails: the scheduler sees a killed server's
+  // control connection close at once.
+  static constexpr std::chrono::seconds kServerLossWait{10};
   static constexpr double kProbeSeconds = 0.02;        // shortest probe exchange that counts
   static constexpr uint64_t kProbeMaxBytes = 16 << 20;  // most one probe round may send
 

@@ -117,6 +117,7 @@ Membership Worker::membership() {
   m.scheduler_lost = !scheduler_lost_.empty();
   m.joined = joined_;
   m.admitted_late = admitted_late_;
+  m.lost_servers.assign(lost_servers_.begin(), lost_servers_.end());
   m.live_size = size_ - static_cast<int>(departed_.size());
   m.live_rank = rank_ - static_cast<int>(std::lower_bound(departed_.begin(), departed_.end(), rank_) - departed_.begin());
   return m;
@@ -130,6 +131,19 @@ int Worker::RootRankLocked(int live_root) const {
   int rank = 0;
   for (int seen = -1;; ++rank)
     if (!std::binary_search(departed_.begin(), departed_.end(), rank) && ++seen == live_root) return rank;
+}
+
+void Worker::SendGoodbye(DataConn* c) {
+  // Fault tolerance: tells the server this worker shut down cleanly. While the scheduler
+  // is gone, the server tells a finished worker from a dead one by this (server.cc).
+  FrameHeader h;
+  h.type = static_cast<uint16_t>(MsgType::kGoodbye);
+  h.sender = rank_;
+  try {
+    c->link->Send(h);
+  } catch (const Error&) {
+    // The server is gone or going: nothing to tell.
+  }
 }
 
 }  // namespace bps

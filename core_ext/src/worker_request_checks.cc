@@ -1,7 +1,8 @@
 // What one operation may ask of a worker (Worker::Enqueue): the op, the options it
 // combines with (fault tolerance, k-of-n, compression, server-held weights, row-sparse
 // tables) and its shape, checked before anything is declared or sent, so a bad request
-// fails with a configuration error on the rank that made it and the job goes on.
+// fails with a configuration error on the rank that made it and the job goes on. Also
+// whether the options allow the hierarchical path (UseHierarchy).
 #include "worker.h"
 
 #include <cmath>
@@ -75,6 +76,41 @@ void Worker::CheckRequest(const OpRequest& req) const {
   if (req.participants < 0 || req.participants > size_)
     throw Error(Error::kConfig, "participants must be in [0, " + std::to_string(size_) +
                                     "]. Received: participants=" + std::to_string(req.participants));
+}
+
+bool Worker::UseHierarchy() const {
+  if (opts_.hierarchical == WorkerOptions::kOff || opts_.local_size <= 1) return false;
+  if (consistency_.mode != ConsistencySpec::kSync) {
+    // The servers step each worker's clock (ssp) or push (async) on its own.
+    if (opts_.hierarchical == WorkerOptions::kOn)
+      throw Error(Error::kConfig, "comm.consistency " + opts_.consistency +
+                                      " needs the flat path; set comm.hierarchical to auto or false");
+    LogInfo("hierarchical mode (auto) is off: comm.consistency " + opts_.consistency + " counts single workers");
+    return false;
+  }
+  if (opts_.fault_tolerance) {
+    // A host's shared-memory group would wait for a member that died.
+    if (opts_.hierarchical == WorkerOptions::kOn)
+      throw Error(Error::kConfig, "comm.fault_tolerance needs the flat path; set comm.hierarchical to auto or false");
+    LogInfo("hierarchical mode (auto) is off: comm.fault_tolerance goes on without workers that leave");
+    return false;
+  }
+  if (KOfN()) {
+    // The host's ranks reduce together, so one slow rank holds up its host's push: the
+    // servers could only leave out whole hosts. k-of-n counts workers, on the flat path.
+    if (opts_.hierarchical == WorkerOptions::kOn)
+      throw Error(Error::kConfig, "comm.aggregate k:" + std::to_string(opts_.aggregate) +
+                                      " needs the flat path; set comm.hierarchical to auto or false");
+    LogInfo("hierarchical mode (auto) is off: k-of-n aggregation (comm.aggregate) counts single workers");
+    return false;
+  }
+  if (opts_.hierarchical == WorkerOptions::kOn) return true;  // StartLocalGroup checks the layout
+  if (size_ % opts_.local_size != 0 || opts_.rank_hint != rank_) {
+    LogInfo("hierarchical mode (auto) is off: it needs DMLC_WORKER_ID on every worker and "
+            "DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE workers; using the flat path");
+    return false;
+  }
+  return true;
 }
 
 }  // namespace bps
