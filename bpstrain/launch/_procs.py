@@ -381,8 +381,9 @@ def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue
         tolerate_worker_failures: ``comm.fault_tolerance``: a worker that exits non-zero
             left the job and the others go on; the job fails only when no worker
             finishes (exit 0).
-        survivable: Services whose exit the job survives (the scheduler, under
-            ``comm.fault_tolerance``: the workers and servers go on without it).
+        survivable: Services whose exit the job survives (under ``comm.fault_tolerance``
+            the scheduler: the workers and servers go on without it; and a server of
+            several: its partitions move to the others).
         restart: With ``tolerate_worker_failures``: called with a worker that exited
             non-zero; returns its replacement (which joins the running job in its
             place), or None when no restart is left.
@@ -410,8 +411,10 @@ def supervise(workers: Sequence[Child], services: Sequence[Child], events: queue
                     continue
                 code = exit_code(child.proc.returncode)
                 if any(child is c for c in survivable) and pending:
-                    log(f"{child.label} exited with code {code}; fault tolerance: the workers and servers "
-                        "go on without it (no worker can leave or join the job from now on)")
+                    log(f"{child.label} exited with code {code}; fault tolerance: " +
+                        ("the workers and servers go on without it (no worker can leave or join the job "
+                         "from now on)" if child.label == "scheduler" else
+                         "its partitions move to the other servers"))
                     continue
                 if code != 0 and tolerate_worker_failures and id(child) in pending:
                     pending.discard(id(child))

@@ -335,11 +335,16 @@ class LocalJob:
             return supervise(self.workers, self.services.children, self._events,
                              self.grace, self.service_timeout, services_exit=False,
                              tolerate_worker_failures=tolerant,
-                             survivable=[self.services.scheduler] if tolerant else [],
+                             survivable=self._survivable() if tolerant else [],
                              restart=self._restart if tolerant else None)
         finally:
             self.services.stop()
 
+
+    def _survivable(self) -> list:
+        """Under fault tolerance: the scheduler, and the servers when there are several (a
+        lost server's partitions move to the others; the last one's loss fails the workers)."""
+        return list(self.services.children) if self.services.servers > 1 else [self.services.scheduler]
 
     def _restart(self, child: Child) -> Child | None:
         """A new process of a failed worker (same command and rank, BPSTRAIN_RESTART=k): it

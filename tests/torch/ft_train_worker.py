@@ -2,7 +2,8 @@
 trained with DistributedOptimizer for STEPS steps; with ``--fault kill|stop`` the worker of
 rank ``--victim`` kills (SIGKILL) or stops (SIGSTOP, resumed a few seconds later) itself
 just before step ``--at`` computes its gradient; with ``--fault scheduler`` it kills the
-job's scheduler (its launcher's child) instead and every worker finishes. With
+job's scheduler (its launcher's child) instead and every worker finishes; with
+``--fault server-kill|server-stop`` it kills or stops one of the job's servers. With
 ``--join-at J`` the training state is a ``bpstrain.torch.elastic.TorchState`` committed
 after every step, the launcher restarts the killed worker (``--max-restarts``), which
 joins at a commit (the others wait at step J's until it has) and goes on from their state. Each worker
@@ -34,23 +35,25 @@ def rank_data(rank, step):
     return x, x.sum(1, keepdim=True) * 0.5
 
 
-def kill_the_scheduler():
-    """SIGKILLs the launcher's scheduler: the sibling process whose DMLC_ROLE is scheduler."""
+def signal_a_service(role, sig=signal.SIGKILL):
+    """Sends ``sig`` to a process the launcher started beside this worker with DMLC_ROLE
+    ``role`` (the scheduler, or the first server found); returns its pid."""
     for pid in child_pids(os.getppid()):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = f.read().split(b"\0")
         except OSError:
             continue
-        if b"DMLC_ROLE=scheduler" in env:
-            os.kill(pid, signal.SIGKILL)
-            return
-    raise RuntimeError("no scheduler process found beside this worker")
+        if f"DMLC_ROLE={role}".encode() in env:
+            os.kill(pid, sig)
+            return pid
+    raise RuntimeError(f"no {role} process found beside this worker")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--fault", choices=("none", "kill", "stop", "scheduler"), default="none")
+    p.add_argument("--fault", choices=("none", "kill", "stop", "scheduler", "server-kill", "server-stop"),
+                   default="none")
     p.add_argument("--victim", type=int, default=2)
     p.add_argument("--at", type=int, default=5)
     p.add_argument("--join-at", type=int, default=0)
@@ -83,7 +86,12 @@ def main(argv=None):
                 subprocess.Popen(["sh", "-c", f"sleep 6; kill -CONT {os.getpid()}"])
                 os.kill(os.getpid(), signal.SIGSTOP)  # resumed: the job went on without it
             if args.fault == "scheduler":
-                kill_the_scheduler()
+                signal_a_service("scheduler")
+            if args.fault == "server-kill":
+                signal_a_service("server")
+            if args.fault == "server-stop":  # hangs; resumed later, it learns it was replaced and exits
+                pid = signal_a_service("server", signal.SIGSTOP)
+                subprocess.Popen(["sh", "-c", f"sleep 8; kill -CONT {pid}"])
         x, y = rank_data(me, step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()

@@ -23,13 +23,13 @@ from ft_train_worker import BATCH, SAMPLES, STEPS, rank_data  # noqa: E402
 AT = 5
 
 
-def launch(fault, fault_tolerance=True, timeout=120, worker_args=(), launcher_args=()):
+def launch(fault, fault_tolerance=True, timeout=120, worker_args=(), launcher_args=(), servers=1):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "BPSTRAIN_OP_TIMEOUT": "30",
            "BPSTRAIN_TIMEOUT": "3", "BPSTRAIN_FAULT_TOLERANCE": "1" if fault_tolerance else "0"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     for name in [n for n in env if n.startswith("DMLC_")]:
         del env[name]
-    cmd = [sys.executable, "-m", "bpstrain.launch", "--workers", "3", "--servers", "1", *launcher_args, "--",
+    cmd = [sys.executable, "-m", "bpstrain.launch", "--workers", "3", "--servers", str(servers), *launcher_args, "--",
            sys.executable, str(HERE / "ft_train_worker.py"), "--fault", fault, "--at", str(AT), *worker_args]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -116,6 +116,30 @@ def test_when_the_scheduler_is_killed_every_worker_finishes_without_it():
     for got, ref in zip(results[0]["params"], want):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
     assert "scheduler exited with code" in proc.stderr and "go on without it" in proc.stderr, out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault", ["server-kill", "server-stop"])
+def test_when_a_server_dies_or_hangs_its_partitions_move_and_no_step_is_lost(fault):
+    """Rank 2 SIGKILLs (or SIGSTOPs) one of the two servers before step AT, while the
+    others push that step: its partitions move to the other server, the rounds it had
+    not answered are pushed again, and all three workers finish every step with the
+    parameters of a fault-free run (nobody left). A hung server is lost after the 3 s
+    heartbeat timeout; resumed, it learns it was replaced and exits."""
+    proc, results, _ = launch(fault, servers=2, worker_args=["--victim", "2"])
+    out = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, out
+    assert [r["rank"] for r in results] == [0, 1, 2], out
+    want = replay(survivors_from=STEPS)
+    for r in results:
+        assert r["params"] == results[0]["params"], out
+        assert r["end"] == [r["rank"], 3] and r["events"] == [], r
+    for got, ref in zip(results[0]["params"], want):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    assert "partitions move to the 1 other servers" in proc.stderr, out
+    stall = max(max(r["times"][AT:AT + 1]) for r in results)
+    print(f"{fault}: step {AT} took {stall:.2f} s at most")
+    assert stall < (6 if fault == "server-stop" else 3), stall
 
 
 @pytest.mark.timeout(180)
