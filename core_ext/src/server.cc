@@ -437,6 +437,7 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
         !ParseRowTableSpec(p.param_spec, &spec).empty())
       throw FrameError("an embedding-table operation with a bad width, length, learning rate or spec");
   } else if (param == kRecoveredAnswer) {
+    if (!fault_tolerance_) throw FrameError("a lost server's answer in a job without fault tolerance");
     p.recovered_summed = r.I64();
     p.recovered_flags = static_cast<uint16_t>(r.U32());
     p.recovered_meta = r.Str();
