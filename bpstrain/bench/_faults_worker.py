@@ -12,6 +12,13 @@ rank 0 every ``--checkpoint-every`` steps; a failure restarts every worker from 
 
     torchrun ... -m bpstrain.bench._faults_worker --system torchrun --checkpoint ckpt.pt
 
+torchft (``pip install torchft==0.2.0``; a lighthouse running, its address in
+``TORCHFT_LIGHTHOUSE``): one replica group per worker, ``torchft.Optimizer``
+and the manager's allreduce over its ``ProcessGroupGloo``; a restarted group recovers the
+others' state from a peer at its first quorum (torchft's per-step recovery)::
+
+    python -m bpstrain.bench._faults_worker --system torchft --rank 1 --host 10.0.0.2
+
 Every process appends one line per step to ``--progress DIR/<system>-<rank>-<pid>``:
 ``step wall_time workers``; the lowest rank prints the test accuracy at the end as a
 ``FAULTS_RESULT`` JSON line.
@@ -81,6 +88,7 @@ def run_bpstrain(args, train, test) -> dict:
     state = bps.elastic.TorchState(model, opt, step=0)
     state.sync()
     progress.note(f"start step={state.step} restart={os.environ.get('BPSTRAIN_RESTART', '0')}")
+    lost = []
     while state.step < args.steps:
         x, y = _batch(train, me, state.step)
         opt.zero_grad()
@@ -88,6 +96,9 @@ def run_bpstrain(args, train, test) -> dict:
         opt.step()
         state.step += 1
         progress.step(state.step, bps.size())
+        if engine.membership()["lost_servers"] != lost:  # a server was lost (its partitions moved)
+            lost = engine.membership()["lost_servers"]
+            progress.note(f"servers lost={lost}")
         state.commit()
     return {"rank": bps.rank(), "accuracy": _accuracy(model, test), "steps": state.step}
 
@@ -130,21 +141,72 @@ def run_torchrun(args, train, test) -> dict:
     return {"rank": rank, "accuracy": _accuracy(model, test), "steps": step}
 
 
+def run_torchft(args, train, test) -> dict:
+    from torch.distributed import TCPStore
+    from torchft import Manager, Optimizer, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    progress = _Progress(args.progress, "torchft", args.rank)
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # The replica group's own store (one process per group here): torchft expects the one
+    # torchrun would start.
+    store = TCPStore(args.host, 0, 1, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=datetime.timedelta(seconds=args.timeout))
+    manager = Manager(
+        pg=pg,
+        # The state goes to a recovering group over the process group: torchft's HTTP
+        # transport advertises the machine's hostname, which the emulated hosts share.
+        checkpoint_transport=PGTransport(pg, timeout=datetime.timedelta(seconds=30), device=torch.device("cpu")),
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["optimizer"])),
+        state_dict=lambda: {"model": model.state_dict(), "optimizer": inner.state_dict()},
+        min_replica_size=1, timeout=datetime.timedelta(seconds=max(30.0, args.timeout)),
+        rank=0, world_size=1, store_addr=args.host, store_port=store.port, hostname=args.host,
+        replica_id=f"faults_{args.rank}", lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"])
+    # The gradients as one flat allreduce, what DDP's bucket does for a model this small.
+    # (torchft.DistributedDataParallel 0.2.0 fails an assertion in its comm hook when an
+    # allreduce fails with a later bucket pending, ending the process instead of the step.)
+    params = list(model.parameters())
+    opt = Optimizer(manager, inner)
+    progress.note(f"start step={manager.current_step()} restart={os.environ.get('BPSTRAIN_RESTART', '0')}")
+    workers = 0
+    while manager.current_step() < args.steps:
+        step = manager.current_step()
+        x, y = _batch(train, args.rank, step)
+        opt.zero_grad()  # starts the quorum
+        F.cross_entropy(model(x), y).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        manager.allreduce(flat).wait()  # averaged over the groups in the quorum
+        torch.nn.utils.vector_to_parameters(flat, [p.grad for p in params])
+        opt.step()  # commits only when every group's allreduce succeeded
+        if manager.current_step() == step:
+            progress.note(f"uncommitted step={step}")  # computed again: a step lost
+            continue
+        if manager.num_participants() != workers:
+            workers = manager.num_participants()
+            progress.note(f"membership size={workers}")
+        progress.step(manager.current_step(), workers)
+    return {"rank": args.rank, "accuracy": _accuracy(model, test), "steps": manager.current_step()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--system", choices=("bpstrain", "torchrun"), required=True)
+    p.add_argument("--system", choices=("bpstrain", "torchrun", "torchft"), required=True)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--progress", required=True, help="directory of the per-step lines")
     p.add_argument("--checkpoint", default="", help="torchrun: the checkpoint file")
     p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--timeout", type=float, default=5.0, help="torchrun: gloo's timeout (s)")
+    p.add_argument("--timeout", type=float, default=5.0, help="torchrun, torchft: gloo's timeout (s)")
+    p.add_argument("--rank", type=int, default=0, help="torchft: this replica group's number")
+    p.add_argument("--host", default="127.0.0.1", help="torchft: this host's address")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from bpstrain.models import digits_dataset
 
     train, test = digits_dataset("train"), digits_dataset("test")
-    result = (run_bpstrain if args.system == "bpstrain" else run_torchrun)(args, train, test)
+    result = {"bpstrain": run_bpstrain, "torchrun": run_torchrun, "torchft": run_torchft}[args.system](
+        args, train, test)
     if result["rank"] == 0:
         print("FAULTS_RESULT " + json.dumps(result), flush=True)
     return 0

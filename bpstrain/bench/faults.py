@@ -12,7 +12,9 @@ that injects one event ``--every`` seconds after the first step, and each next o
 - ``kill``: the worker process is SIGKILLed;
 - ``stop``: it is SIGSTOPped for ``--stop-s`` seconds (hung), then continued;
 - ``cut``: its host's link goes down for ``--cut-s`` seconds (``ip link set eth0 down``
-  in its namespace), then up again.
+  in its namespace), then up again;
+- ``server``: a server process is SIGKILLed (bpstrain only: its partitions move to the
+  other servers; the last server first, one must stay).
 
 bpstrain runs with ``comm.fault_tolerance`` and ``comm.timeout`` = ``--timeout``; the
 workers commit a ``TorchState`` after every step; a worker process that exits non-zero
@@ -20,8 +22,14 @@ is started again (what ``python -m bpstrain.launch --max-restarts`` does on one 
 and rejoins at the next step. torchrun runs one agent per worker host (c10d rendezvous,
 ``--max-restarts``), DDP over gloo with its timeout = ``--timeout``, and a checkpoint by
 rank 0 every ``--checkpoint-every`` steps: a failure restarts every worker from it.
+torchft (``pip install torchft==0.2.0``) runs one replica group per worker host and its
+lighthouse on the scheduler's host (heartbeat timeout ``--timeout``), with
+the manager's allreduce over ``ProcessGroupGloo`` (timeout ``--timeout``): a
+group that fails is left out of the next quorum, the others go on, and a failed worker
+process is started again and recovers the state from a live group.
 
-Per event the table gives: when the others noticed (bpstrain: the membership changed;
+Per event the table gives: when the others noticed (bpstrain: the membership changed,
+or for a server a worker finished a step over the moved partitions;
 torchrun: the first worker process of the restart was launched), the stall (the longest
 pause between two completed steps, from the event to the next event), the steps lost (completed before the event and
 computed again after it), when the victim's replacement trained again; per run the
@@ -36,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -52,7 +61,7 @@ from bpstrain.bench._hosts import EmulatedHosts
 from bpstrain.launch._procs import child_pids
 
 _WORKER = "bpstrain.bench._faults_worker"
-EVENTS = ("kill", "stop", "cut")
+EVENTS = ("kill", "stop", "cut", "server")
 BATCH = 32  # the worker's per-rank batch
 
 
@@ -70,7 +79,7 @@ class Plan:
     cut_s: float = 8.0
     timeout: float = 5.0
     checkpoint_every: int = 100
-    systems: Sequence[str] = ("bpstrain", "torchrun")
+    systems: Sequence[str] = ("bpstrain", "torchrun", "torchft")
     run_timeout: float = 900.0
     keep: str = ""
 
@@ -144,7 +153,7 @@ def _worker_pid(run: _Run, system: str, host_index: int) -> int | None:
     proc = run.procs.get(f"worker{host_index}")
     if proc is None or proc.poll() is not None:
         return None
-    if system == "bpstrain":
+    if system != "torchrun":
         return proc.pid
     for pid in child_pids(proc.pid):  # the agent's child that runs the worker module
         try:
@@ -168,6 +177,17 @@ def _inject(plan: Plan, run: _Run, cluster: emulated.EmulatedCluster, system: st
                 return
         if done.wait(plan.every):
             return
+        if kind == "server":  # SIGKILL a server: the last one first, never server 0
+            if system != "bpstrain":
+                _log(f"{system}: no servers to kill; skipped")
+                continue
+            j = plan.servers - 1 - sum(e.kind == "server" for e in injected)
+            at = time.time()
+            os.kill(run.procs[f"server{j}"].pid, signal.SIGKILL)
+            injected.append(Injected(kind, plan.workers + j, at))
+            last = at + 0.5
+            _log(f"{system}: killed server {j}")
+            continue
         host = 1 + i % (plan.workers - 1)  # never host 0: torchrun's rendezvous lives there
         pid, wait_until = _worker_pid(run, system, host), time.monotonic() + plan.every
         while kind in ("kill", "stop") and pid is None and time.monotonic() < wait_until:
@@ -239,6 +259,23 @@ def _run_torchrun(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, fa
     _supervise(plan, run, restart=None)
 
 
+def _run_torchft(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, faults: bool) -> None:
+    lighthouse_host = plan.workers + plan.servers  # where bpstrain's scheduler runs
+    port = hosts.next_port()
+    # torchft's lighthouse: quorums of the replica groups that heartbeat; one that misses
+    # heartbeats for --timeout is out (as the others' detection).
+    run.start("lighthouse", lighthouse_host, [sys.executable, "-c", (
+        "import time\nfrom torchft._torchft import LighthouseServer\n"
+        f"s = LighthouseServer(bind='0.0.0.0:{port}', min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=100, "
+        f"heartbeat_timeout_ms={int(plan.timeout * 1000)})\ntime.sleep(1e9)")], _jobs.child_env({}))
+    for i in range(plan.workers):
+        argv = [sys.executable, "-m", _WORKER, "--system", "torchft", "--rank", str(i), "--host", hosts.addr(i),
+                "--steps", str(plan.steps), "--progress", progress, "--timeout", str(plan.timeout)]
+        run.start(f"worker{i}", i, argv, _jobs.child_env({
+            "GLOO_SOCKET_IFNAME": hosts.ifname, "TORCHFT_LIGHTHOUSE": f"http://{hosts.addr(lighthouse_host)}:{port}"}))
+    _supervise(plan, run, restart=lambda name, n: run.restart(name, BPSTRAIN_RESTART=str(n)))
+
+
 def _supervise(plan: Plan, run: _Run, restart) -> None:
     """Until every worker finished: restarts a bpstrain worker that failed (``restart``);
     a torchrun agent restarts its own."""
@@ -288,7 +325,7 @@ def _summarize(system: str, steps: list, notes: list, injected: Sequence[Injecte
     """Per event: noticed, stall, steps lost, back; per run: samples/s that count."""
     first, last = steps[0][0], steps[-1][0]
     final = max(s for _, s, _, _ in steps)
-    if system == "bpstrain":
+    if system != "torchrun":  # the groups that took part in each step
         per_step = {}
         for _, s, w, _ in steps:
             per_step[s] = w
@@ -310,21 +347,36 @@ def _summarize(system: str, steps: list, notes: list, injected: Sequence[Injecte
             if t > ev.at and s in done_before.get(n.split("-")[1], ()):
                 redone.setdefault(n.split("-")[1], set()).add(s)
         lost = max((len(v) for v in redone.values()), default=0)
+        # torchft: a step whose allreduce failed is not committed and computed again.
+        uncommitted: dict = {}
+        for t, text, n in notes:
+            if ev.at < t <= until and text.startswith("uncommitted"):
+                uncommitted[n.split("-")[1]] = uncommitted.get(n.split("-")[1], 0) + 1
+        lost += max(uncommitted.values(), default=0)
         # The stall: the longest pause between two steps completed (by anyone) from the
         # event to the next one; a step in flight when a worker hangs waits for detection.
         until = max(until, after[0][0] if after else until)
         times = [ev.at] + sorted({t for t, _, _, _ in steps if ev.at < t <= until})
         stall = max((b - a for a, b in zip(times, times[1:])), default=float("nan"))
-        if system == "bpstrain":
+        if system != "torchrun" and ev.kind == "server":  # a worker finished a step after the move
+            noticed = [t for t, text, _ in notes if t > ev.at and text.startswith("servers lost")]
+        elif system != "torchrun":
             noticed = [t for t, text, n in notes if t > ev.at and text.startswith("membership")
-                       and not n.startswith(f"bpstrain-{ev.host}-")]
+                       and not n.startswith(f"{system}-{ev.host}-")]
         else:  # a worker process of the restart began
             noticed = [t for t, text, _ in notes if t > ev.at and text.startswith("launched")]
-        # The victim trains again: a step of a process started after the event (bpstrain:
-        # the victim's replacement; torchrun: any, as every worker restarts).
-        fresh = {n for t, text, n in notes if t > ev.at and text.startswith("start")
-                 and (system != "bpstrain" or n.startswith(f"bpstrain-{ev.host}-"))}
-        back = [t for t, _, _, n in steps if n in fresh]
+        # The victim trains again. torchrun: any process of the restart (every worker
+        # restarts); the others: a step of the victim's host (bpstrain and torchft start a
+        # killed worker again; a stopped or cut-off one bpstrain declared gone exits and is
+        # started again, torchft's own heals and rejoins). Half a second after the event
+        # at least: a step the victim had finished on the wire may still land.
+        if system == "torchrun":
+            fresh = {n for t, text, n in notes if t > ev.at and text.startswith("start")}
+            back = [t for t, _, _, n in steps if n in fresh]
+        elif ev.kind != "server":
+            back = [t for t, _, _, n in steps if t > ev.at + 0.5 and n.startswith(f"{system}-{ev.host}-")]
+        else:
+            back = []
         events.append({"event": ev.kind, "host": ev.host, "at_s": ev.at - first,
                        "noticed_s": (noticed[0] - ev.at) if noticed else None, "stall_s": stall,
                        "steps_lost": lost,
@@ -348,7 +400,8 @@ def run_system(plan: Plan, cluster: emulated.EmulatedCluster, hosts: EmulatedHos
         if faults:
             injector.start()
         try:
-            (_run_bpstrain if system == "bpstrain" else _run_torchrun)(plan, hosts, run, progress, faults)
+            {"bpstrain": _run_bpstrain, "torchrun": _run_torchrun, "torchft": _run_torchft}[system](
+                plan, hosts, run, progress, faults)
         finally:
             done.set()
             if faults:
@@ -369,6 +422,12 @@ def run(plan: Plan) -> list[dict]:
     for kind in plan.events:
         if kind not in EVENTS:
             raise ValueError(f"events are {', '.join(EVENTS)}. Received: {kind!r}")
+    if "torchft" in plan.systems and importlib.util.find_spec("torchft") is None:
+        raise ValueError("the torchft peer needs torchft (pip install torchft==0.2.0); or leave it out with "
+                         "--systems bpstrain torchrun")
+    if sum(kind == "server" for kind in plan.events) >= plan.servers:
+        raise ValueError(f"each 'server' event kills one of the {plan.servers} servers and one must stay. "
+                         f"Received: events={list(plan.events)}")
     out = []
     with emulated.EmulatedCluster(plan.workers + plan.servers + 1, plan.rate_mbit) as cluster:
         hosts = EmulatedHosts(cluster)
@@ -418,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=d.timeout,
                    help="bpstrain's comm.timeout and gloo's timeout (s)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="torchrun")
-    p.add_argument("--systems", nargs="+", default=list(d.systems), choices=("bpstrain", "torchrun"))
+    p.add_argument("--systems", nargs="+", default=list(d.systems), choices=("bpstrain", "torchrun", "torchft"))
     p.add_argument("--json", help="also write the summaries here")
     p.add_argument("--keep", default="", help="keep each run's logs and progress files in this directory")
     args = p.parse_args(argv)

@@ -36,10 +36,16 @@ void Worker::OnServerLost(const std::string& meta) {
   }
   if (!r.AtEnd()) throw FrameError("trailing bytes after a lost server's moves");
   const std::string who = "server " + std::to_string(lost) + " (" + servers_[lost] + ")";
+  auto new_server = [&](int64_t id, size_t part) {
+    auto m = moved_to.find((static_cast<uint64_t>(id) << kPartBits) | part);
+    return m == moved_to.end() ? -1 : m->second;
+  };
   std::vector<DataConn*> dead;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (failed_ || stopping_ || !lost_servers_.insert(static_cast<int>(lost)).second) return;
+    if (!policy_)  // still joining: its data links are not up yet, and a link to the lost server fails it
+      return registry_.MoveParts(new_server);
     cv_.notify_all();       // a receiver waiting in FailServerLost returns
     send_cv_.notify_all();  // its senders return
     for (auto& dc : conns_)
@@ -66,10 +72,7 @@ void Worker::OnServerLost(const std::string& meta) {
                                     std::to_string(kServerLossWait.count()) + " s");
     }
     {
-      registry_.MoveParts([&](int64_t id, size_t part) {
-        auto m = moved_to.find((static_cast<uint64_t>(id) << kPartBits) | part);
-        return m == moved_to.end() ? -1 : m->second;
-      });
+      registry_.MoveParts(new_server);
       // Everything this worker had for the lost server: queued, or pushed and unanswered.
       std::vector<SendTask> again = policy_->Drain(static_cast<int>(lost));
       for (auto it = in_flight_.begin(); it != in_flight_.end();) {

@@ -45,6 +45,27 @@ def test_a_restart_from_a_checkpoint_loses_the_steps_since_it():
     assert "| torchrun | kill host 1 | 5.9 | 6.00 | 14.10 | 7 |" in table and "| 0.50 |" in table
 
 
-def test_unknown_events_are_refused():
-    with pytest.raises(ValueError, match="events are kill, stop, cut"):
+def test_a_torchft_step_that_did_not_commit_is_a_step_lost():
+    # torchft: groups 0 and 1 (group 1 killed at 1.05); group 0's step 11 fails its
+    # allreduce (not committed), then commits alone from 2.0.
+    points = [(0.1 * s, s, 2) for s in range(1, 11)] + [(2.0 + 0.1 * k, 10 + k, 1) for k in range(1, 10)]
+    notes = [(1.9, "uncommitted step=10", "torchft-0-1"), (1.95, "membership size=1", "torchft-0-1")]
+    s = _summarize("torchft", _steps("torchft", 0, points), notes, [Injected("kill", 1, 1.05)], 0.9)
+    (e,) = s["events"]
+    assert e["steps_lost"] == 1 and e["noticed_s"] == pytest.approx(0.9) and e["back_s"] is None
+    assert s["samples"] == (10 * 2 + 9 * 1) * BATCH
+
+
+def test_a_server_event_is_noticed_when_a_step_went_over_the_moved_partitions():
+    points = [(0.1 * s, s, 4) for s in range(1, 30)]
+    notes = [(1.52, "servers lost=[1]", "bpstrain-0-1")]
+    s = _summarize("bpstrain", _steps("bpstrain", 0, points), notes, [Injected("server", 5, 1.45)], 0.9)
+    (e,) = s["events"]
+    assert e["event"] == "server" and e["noticed_s"] == pytest.approx(0.07) and e["back_s"] is None
+
+
+def test_unknown_events_or_every_server_killed_are_refused():
+    with pytest.raises(ValueError, match="events are kill, stop, cut, server"):
         faults.run(faults.Plan(events=["reboot"]))
+    with pytest.raises(ValueError, match="one must stay"):
+        faults.run(faults.Plan(servers=2, events=["server", "server"], systems=["bpstrain"]))
