@@ -333,6 +333,9 @@ def _summarize(system: str, steps: list, notes: list, injected: Sequence[Injecte
     else:
         samples = final * len({n.split("-")[1] for _, _, _, n in steps}) * BATCH
     events = []
+    # An event after the last step hit a job that had finished training (its workers
+    # still exiting): nothing to measure.
+    injected = [ev for ev in injected if ev.at < last]
     ends = [ev.at for ev in injected[1:]] + [last]
     for ev, until in zip(injected, ends):
         after = [(t, s) for t, s, _, _ in steps if t > ev.at]

@@ -62,6 +62,10 @@ def test_a_server_event_is_noticed_when_a_step_went_over_the_moved_partitions():
     s = _summarize("bpstrain", _steps("bpstrain", 0, points), notes, [Injected("server", 5, 1.45)], 0.9)
     (e,) = s["events"]
     assert e["event"] == "server" and e["noticed_s"] == pytest.approx(0.07) and e["back_s"] is None
+    # One that came after the last step is left out.
+    late = _summarize("bpstrain", _steps("bpstrain", 0, points), notes, [Injected("server", 5, 1.45),
+                                                                          Injected("kill", 1, 9.0)], 0.9)
+    assert [e["event"] for e in late["events"]] == ["server"]
 
 
 def test_unknown_events_or_every_server_killed_are_refused():
