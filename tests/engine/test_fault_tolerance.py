@@ -385,3 +385,48 @@ def test_an_admission_needs_the_steps_finished_and_fault_tolerance():
         push_pull(c.workers[1], "x", x)
         wait(c.workers[0], h)
         assert np.array_equal(out, np.full(4, 2.0, np.float32))
+
+
+@pytest.mark.parametrize("fault_tolerance", [False, True])
+def test_a_worker_that_dies_during_rendezvous_is_forgotten_and_a_new_one_takes_its_rank(transport,
+                                                                                       fault_tolerance):
+    # Before the job exists nothing is lost: the scheduler forgets the dead registration
+    # (with or without fault tolerance) and a replacement with the same rank completes it.
+    from tests.engine.test_faults import HELLO, worker_hello
+
+    sched = _core.Scheduler(2, 1, host="127.0.0.1", port=0, rendezvous_timeout=20, transport=transport,
+                            fault_tolerance=fault_tolerance)
+    sched.start()
+    nodes = []
+    try:
+        early = _core.connect_raw(transport, "127.0.0.1", sched.port, handshake=True)
+        early.send(HELLO, worker_hello(1))
+        deadline = time.monotonic() + 10
+        while sched.stats()["nodes"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        early.shutdown()  # dies before the others came
+        while sched.stats()["nodes"] != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        nodes.append(_core.Server("127.0.0.1", sched.port, listen_host="127.0.0.1", numa="off",
+                                  rendezvous_timeout=20, transport=transport))
+        workers = [_core.Worker("127.0.0.1", sched.port, rank_hint=r, rendezvous_timeout=20, numa="off",
+                                transport=transport, fault_tolerance=fault_tolerance) for r in range(2)]
+        nodes += workers
+        for n in nodes:
+            n.start()
+        for w in workers:
+            while not w.wait_ready(0.1):
+                pass
+        with ThreadPoolExecutor(2) as pool:
+            res = list(pool.map(lambda w: push_pull(w, "g", np.full(4, w.rank + 1.0, np.float32)), workers))
+        assert all(np.array_equal(x, np.full(4, 3.0, np.float32)) for x in res)
+        assert all(w.membership()["epoch"] == 0 for w in workers)  # nobody left the job
+        for w in workers:
+            w.shutdown()
+        assert nodes[0].wait(5) and sched.wait(5)
+    finally:
+        for n in nodes:
+            (n.stop if isinstance(n, _core.Server) else n.shutdown)()
+        sched.stop()
