@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-restarts", type=_int_flag("--max-restarts", 0), default=0, metavar="R",
                         help="with BPSTRAIN_FAULT_TOLERANCE=1: start a worker that exits non-zero "
                         "again, R times in all; it rejoins the running job in its place at the "
-                        "others' next state.commit() (default 0; one host, --local-size 1)")
+                        "others' next state.commit() (default 0; this host's launcher only)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
                         help="worker command, after --")
     return parser
@@ -135,9 +135,6 @@ def _run_local(args: argparse.Namespace, cmd: list[str], environ: Mapping[str, s
     if servers == 0 and args.mixed is not True:
         raise UsageError("--servers 0 needs --mixed (servers on the worker hosts). "
                          "Received: --servers=0")
-    if args.max_restarts and (local_size or 1) != 1:
-        raise UsageError("--max-restarts restarts one worker process in its place, which a host "
-                         f"of --local-size workers does not have. Received: --local-size={local_size}")
     service_timeout = 30.0 if args.service_timeout is None else args.service_timeout
     return launch_local(cmd, args.workers, servers, local_size, env=dict(environ),
                         host=args.host or "127.0.0.1", port=args.port, grace=args.grace,

@@ -21,8 +21,6 @@ BAD_ARGS = [
      r"expected an integer in \[1, 65535\]\. Received: --port='70000'"),
     (["--workers", "3", "--local-size", "2", "--", "true"], {},
      r"--workers must be a multiple of --local-size .*Received: --workers=3, --local-size=2"),
-    (["--workers", "4", "--local-size", "2", "--max-restarts", "1", "--", "true"], {},
-     r"--max-restarts restarts one worker process.*Received: --local-size=2"),
     (["--workers", "2", "--max-restarts", "-1", "--", "true"], {}, r"Received: --max-restarts='-1'"),
     (["--slurm", "--max-restarts", "1", "--", "true"], {}, r"--max-restarts does not apply with --slurm"),
     (["--workers", "2"], {}, r"no worker command given; put it after `--`.*Received: CMD=\[\]"),

@@ -143,14 +143,16 @@ def test_when_a_server_dies_or_hangs_its_partitions_move_and_no_step_is_lost(fau
 
 
 @pytest.mark.timeout(180)
-def test_a_killed_worker_is_restarted_and_rejoins_with_the_others_state():
+@pytest.mark.parametrize("local_size", [1, 3])
+def test_a_killed_worker_is_restarted_and_rejoins_with_the_others_state(local_size):
     """Rank 2 SIGKILLs itself before step AT; the launcher (--max-restarts 1) starts it
     again; the new process waits in init() until the others' next state.commit(), gets
     their parameters, momentum buffers, sampler position and step there, and trains
     with them to the end. Everyone ends with the parameters of a replay that averages
     over 3 workers, then 2 from step AT, then 3 again from the step it joined at."""
     join_at = AT + 3
-    proc, results, _ = launch("kill", worker_args=["--join-at", str(join_at)], launcher_args=["--max-restarts", "1"])
+    proc, results, _ = launch("kill", worker_args=["--join-at", str(join_at)],
+                              launcher_args=["--max-restarts", "1", "--local-size", str(local_size)])
     out = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, out
     assert [r["rank"] for r in results] == [0, 1, 2], out
