@@ -124,8 +124,11 @@ def main(rank: int, env: Dict[str, str], payload: str, queue,
             warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
             config, callbacks, model, data, val_data = load_job(f.read())
         trainer = Trainer(config, callbacks)
+        # Under fault tolerance every rank gets the sink: the one renumbered rank 0 after rank
+        # 0 left draws the progress bar and writes the logs from then on.
         history = trainer.fit_rank(model, data, val_data,
-                                   QueueSink(queue) if rank == 0 else None, joined=False)
+                                   QueueSink(queue) if rank == 0 or _fault_tolerance(config) else None,
+                                   joined=False)
         result = {"history": history.to_dict(),
                   "callbacks": [cb.state_dict() for cb in trainer.callbacks],
                   # With fault tolerance every rank sends them: rank 0 may have left the job.

@@ -126,6 +126,7 @@ class Trainer:
         self.config = load_config(config)
         self.callbacks = ordered(default_callbacks(self.config, callbacks or ()))
         self.progress_sink = None
+        self._sink = None
         self.run_name: Optional[str] = None
         self._reset()
 
@@ -264,13 +265,15 @@ class Trainer:
 
         self.comm = Comm(comm_options(self.config))
         self.rank, self.size, self.local_rank = self.comm.rank, self.comm.size, self.comm.local_rank
+        self._sink = sink  # fault tolerance: kept by every rank, for the one that becomes rank 0
         self.progress_sink = sink if self.is_global_zero else None
         self.comm.on_membership_change(self._follow_membership)
 
     def _follow_membership(self, membership: dict) -> None:
         """comm.fault_tolerance: workers left; ranks are renumbered over those that remain
-        (the new rank 0 writes the checkpoints and logs)."""
+        (the new rank 0 writes the checkpoints, the logs and the progress bar)."""
         self.rank, self.size = membership["rank"], membership["size"]
+        self.progress_sink = self._sink if self.is_global_zero else None
 
     def _start_run(self, run_name: Optional[str]) -> None:
         """Names the run folder on every rank and saves the resolved config there."""
@@ -293,7 +296,8 @@ class Trainer:
         """Runs ``fit`` as one rank of whatever job the environment describes.
 
         Args:
-            sink: Where rank 0's progress bar draws (ignored on other ranks).
+            sink: Where rank 0's progress bar draws (other ranks keep it for when they
+                become rank 0: fault tolerance).
             joined: Inside a job launched by someone else: leave the engine running.
             run_name: The run folder chosen by the caller (None: config's, or rank 0's).
         """
