@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import ray
@@ -134,10 +133,12 @@ class RoleActor:
         return node_info()
 
     def free_port(self) -> int:
-        """A port free on this node's address, for the scheduler to listen on."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((ray.util.get_node_ip_address(), 0))
-            return s.getsockname()[1]
+        """A port free on this node's address, for the scheduler to listen on: from below
+        the kernel's ephemeral range (``bind(0)`` picked one that Ray's own connections
+        took before the scheduler listened on it: "Address already in use")."""
+        from bpstrain.launch.local import free_port
+
+        return free_port(ray.util.get_node_ip_address())
 
     def serve(self, role: str, environ: Mapping[str, str]) -> None:
         from bpstrain.roles import run_role
