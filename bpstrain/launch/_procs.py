@@ -252,13 +252,13 @@ def mute(children: Sequence[ProcessGroup]) -> None:
             child.mute()
 
 
-def child_pids(parent: int) -> list[int]:
-    """Pids of the live children of process ``parent`` ([] without procfs)."""
-    found = []
+def _live_processes():
+    """(pid, ppid, pgrp) of every live (not zombie) process; None without procfs."""
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return found
+        return None
+    found = []
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -267,9 +267,14 @@ def child_pids(parent: int) -> list[int]:
                 fields = f.read().rsplit(b")", 1)[1].split()
         except OSError:
             continue  # Exited while we looked.
-        if int(fields[1]) == parent and fields[0] != b"Z":  # fields: state, ppid
-            found.append(int(entry))
+        if fields[0] != b"Z":  # fields: state, ppid, pgrp
+            found.append((int(entry), int(fields[1]), int(fields[2])))
     return found
+
+
+def child_pids(parent: int) -> list[int]:
+    """Pids of the live children of process ``parent`` ([] without procfs)."""
+    return [pid for pid, ppid, _ in _live_processes() or () if ppid == parent]
 
 
 def _group_has_live_member(pgid: int) -> bool:
@@ -278,21 +283,10 @@ def _group_has_live_member(pgid: int) -> bool:
     Orphaned grandchildren are re-parented to init, and some container inits
     reap only every second or two; their zombies must not delay teardown.
     """
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
+    live = _live_processes()
+    if live is None:
         return True  # No procfs: trust killpg(pgid, 0).
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue  # Exited while we looked.
-        if int(fields[2]) == pgid and fields[0] != b"Z":  # fields: state, ppid, pgrp
-            return True
-    return False
+    return any(pgrp == pgid for _, _, pgrp in live)
 
 
 def stop_children(children: Sequence[ProcessGroup], grace: float = DEFAULT_GRACE) -> None:

@@ -489,15 +489,7 @@ void Server::Process(EngineThread* et, Task& t) {
       }
     }
     it = et->rounds.emplace(std::make_pair(p.key, p.version), PendingRound{}).first;
-    Round& r = it->second.round;
-    r.key = p.key;
-    r.version = p.version;
-    r.dtype = p.dtype;
-    r.len = p.len;
-    r.expected = p.expected;
-    r.complete_at = p.complete_at;
-    r.broadcast = p.broadcast;
-    r.root = p.root;
+    it->second.round = RoundOf(p);
     it->second.param = p.param;
     it->second.param_spec = p.param_spec;
     it->second.consistency = p.consistency;

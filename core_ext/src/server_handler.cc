@@ -9,6 +9,19 @@
 
 namespace bps {
 
+Round RoundOf(const Push& first) {
+  Round r;
+  r.key = first.key;
+  r.version = first.version;
+  r.dtype = first.dtype;
+  r.len = first.len;
+  r.expected = first.expected;
+  r.complete_at = first.complete_at;
+  r.broadcast = first.broadcast;
+  r.root = first.root;
+  return r;
+}
+
 namespace {
 // What a compressed round keeps until it completes: the pushes themselves (they are
 // small), decoded only then and in rank order, so the sum does not depend on arrival.

@@ -75,6 +75,10 @@ struct Round {
   std::shared_ptr<void> extra;     // anything else a handler keeps per round
 };
 
+// A new round as its first push describes it (key, version, dtype, length, expected and
+// complete_at pushes, broadcast and root); nothing pushed yet.
+Round RoundOf(const Push& first);
+
 class ServerHandler {
  public:
   virtual ~ServerHandler() = default;

@@ -167,15 +167,8 @@ void Server::ProcessRecoveredAnswer(EngineThread* et, Task& t) {
   f.reply_flags = p.recovered_flags;
   f.reply_meta = p.recovered_meta;
   f.answered.push_back(p.sender);
+  f.round = RoundOf(p);
   Round& r = f.round;
-  r.key = p.key;
-  r.version = p.version;
-  r.dtype = p.dtype;
-  r.len = p.len;
-  r.expected = p.expected;
-  r.complete_at = p.complete_at;
-  r.broadcast = p.broadcast;
-  r.root = p.root;
   r.pushes = static_cast<int>(p.recovered_summed);
   r.result = t.push.body;
   auto pending = et->rounds.find(id);
