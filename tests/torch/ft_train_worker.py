@@ -87,6 +87,11 @@ def main(argv=None):
                 os.kill(os.getpid(), signal.SIGSTOP)  # resumed: the job went on without it
             if args.fault == "scheduler":
                 signal_a_service("scheduler")
+                # Until this worker noticed (its control link closing): the remaining steps
+                # take milliseconds, and the test checks that every worker saw it go.
+                deadline = time.monotonic() + 10
+                while engine.membership()["scheduler_alive"] and time.monotonic() < deadline:
+                    time.sleep(0.01)
             if args.fault == "server-kill":
                 signal_a_service("server")
             if args.fault == "server-stop":  # hangs; resumed later, it learns it was replaced and exits
