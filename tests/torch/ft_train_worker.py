@@ -87,16 +87,17 @@ def main(argv=None):
                 os.kill(os.getpid(), signal.SIGSTOP)  # resumed: the job went on without it
             if args.fault == "scheduler":
                 signal_a_service("scheduler")
-                # Until this worker noticed (its control link closing): the remaining steps
-                # take milliseconds, and the test checks that every worker saw it go.
-                deadline = time.monotonic() + 10
-                while engine.membership()["scheduler_alive"] and time.monotonic() < deadline:
-                    time.sleep(0.01)
             if args.fault == "server-kill":
                 signal_a_service("server")
             if args.fault == "server-stop":  # hangs; resumed later, it learns it was replaced and exits
                 pid = signal_a_service("server", signal.SIGSTOP)
                 subprocess.Popen(["sh", "-c", f"sleep 8; kill -CONT {pid}"])
+        if args.fault == "scheduler" and step == args.at:
+            # Every worker waits here until it noticed (its control link closing): the
+            # remaining steps take milliseconds, and the test checks that all saw it go.
+            deadline = time.monotonic() + 10
+            while engine.membership()["scheduler_alive"] and time.monotonic() < deadline:
+                time.sleep(0.01)
         x, y = rank_data(me, step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
