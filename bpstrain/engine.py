@@ -187,8 +187,9 @@ def membership() -> Dict[str, Any]:
     """Who is in the job (``comm.fault_tolerance``): ``{"epoch": 0 until a worker
     leaves, then +1 per change, "departed": rendezvous ranks of the workers that left,
     "rank": this worker's rank among the others (what rank() says), "size": how many
-    remain, "rendezvous_rank"/"rendezvous_size": this worker's rank and the job's size
-    at the start, "answered_epoch"/"answered_departed": the membership the results
+    remain, "rendezvous_rank"/"rendezvous_size": this worker's rank as the scheduler gave
+    it and how many ranks the job has given out (its size at the start, grown by workers
+    that joined as new ranks under ``comm.max_workers``), "answered_epoch"/"answered_departed": the membership the results
     received so far were computed under, "scheduler_alive": False once the scheduler is
     gone (the job goes on, but barriers, new tensors and further membership changes
     fail), "joined": rendezvous ranks that joined at the newest :func:`admit`,
@@ -633,9 +634,10 @@ def admit(timeout: Optional[float] = None) -> List[int]:
 
     Every worker in the job calls it at the same step (``bpstrain.torch.elastic``'s
     ``state.commit()`` does). A worker process started after the rendezvous (a restart
-    by ``python -m bpstrain.launch --max-restarts``, or a hand-started ``DMLC_ROLE=worker``
-    with the place of a departed worker free) waits in its ``init()`` until then; it joins
-    here, takes the departed worker's rank and its gradients count from the next step.
+    by ``python -m bpstrain.launch --max-restarts``, or a hand-started ``DMLC_ROLE=worker``)
+    waits in its ``init()`` until then; it joins here, in the place of a departed worker
+    or, with none free, as a new rank while the job has fewer than ``comm.max_workers``
+    (scale-up), and its gradients count from the next step.
     The joiners get no state from the engine: the caller sends them the model and the
     optimizer (``state.sync()``). Without fault tolerance nobody can join: returns [].
 

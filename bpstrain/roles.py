@@ -91,6 +91,7 @@ def _serve_one_job(role: str, env, options, rendezvous_timeout: float) -> None:
             mixed_mode=env.mixed_mode,
             transport=str(options["transport"]),
             fault_tolerance=bool(options["fault_tolerance"]),
+            max_workers=int(options["max_workers"]),
         )
     else:
         _core.set_log_prefix("bpstrain server")

@@ -383,7 +383,16 @@ class CommConfig:
         "callbacks run, and the launcher keeps the job going. Off: any dead worker fails the "
         "job (PeerError everywhere). The flat path only (turns comm.hierarchical=auto off); "
         "sync, dense tensors: not with comm.aggregate k:<K>, ssp/async, compression or sparse "
-        "rows. A dead server or scheduler still fails the job.", "BPSTRAIN_FAULT_TOLERANCE")
+        "rows. With two or more servers a lost server's partitions move to the others; "
+        "a dead scheduler leaves push_pull of declared tensors running. Workers started "
+        "later join at the others' next admission (state.commit()/engine.admit()).",
+        "BPSTRAIN_FAULT_TOLERANCE")
+    max_workers: int = knob(
+        0, "With comm.fault_tolerance: how many worker processes the job may grow to. A worker "
+        "started after the rendezvous takes the place of one that left, or, with none free, "
+        "a new rank below this (scale-up, as torchrun's --nnodes MIN:MAX or Horovod's "
+        "--max-np); 0 = no more than the job started with. Read by the scheduler.",
+        "BPSTRAIN_MAX_WORKERS", min=0, max=65536, expected="an integer >= 0 (0 = the job's size)")
     compression: str = knob(
         "none", "Gradient compression of the Trainer's DistributedOptimizer (torch and "
         "Keras): none | fp16 | bf16 | onebit | topk:<ratio> | randomk:<ratio> | "

@@ -439,9 +439,11 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Scheduler>(m, "Scheduler")
       .def(py::init([](int workers, int servers, const std::string& host, int port,
                        double rendezvous_timeout, double peer_timeout, const std::string& secret,
-                       int local_size, bool mixed_mode, const std::string& transport, bool fault_tolerance) {
+                       int local_size, bool mixed_mode, const std::string& transport, bool fault_tolerance,
+                       int max_workers) {
              SchedulerOptions o;
              o.fault_tolerance = fault_tolerance;
+             o.max_workers = max_workers;
              o.transport = transport;
              o.num_workers = workers;
              o.local_size = local_size;
@@ -457,7 +459,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("num_workers"), py::arg("num_servers"), py::arg("host") = "127.0.0.1",
            py::arg("port") = 0, py::arg("rendezvous_timeout") = 120.0,
            py::arg("peer_timeout") = 30.0, py::arg("secret") = "", py::arg("local_size") = 0,
-           py::arg("mixed_mode") = true, py::arg("transport") = "tcp", py::arg("fault_tolerance") = false)
+           py::arg("mixed_mode") = true, py::arg("transport") = "tcp", py::arg("fault_tolerance") = false,
+           py::arg("max_workers") = 0)
       .def_property_readonly("port", &Scheduler::port)
       .def("stats",
            [](Scheduler& s) {

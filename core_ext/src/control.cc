@@ -100,20 +100,26 @@ Welcome ControlClient::Connect(Transport& transport, const std::string& endpoint
       throw FrameError("a job of " + std::to_string(workers) + " workers and " + std::to_string(servers) + " servers");
     wel.num_workers = static_cast<int>(workers);
     wel.num_servers = static_cast<int>(servers);
-    const int64_t peers = me.role == Role::kWorker ? wel.num_servers : wel.num_workers;
     if (wel.rank < 0 || wel.rank >= (me.role == Role::kWorker ? wel.num_workers : wel.num_servers))
       throw FrameError("assigned rank " + std::to_string(wel.rank) + " is out of range");
     for (int i = 0; i < wel.num_servers; ++i) wel.servers.push_back(rd.Str());
     wel.job_id = static_cast<uint64_t>(rd.I64());
-    if (rd.U32() != peers) throw FrameError("the welcome's credentials do not match the job's size");
-    for (int64_t i = 0; i < peers; ++i) {
+    const uint32_t keys = rd.U32();
+    if (keys > kMaxNodes) throw FrameError("a welcome with " + std::to_string(keys) + " credentials");
+    for (uint32_t i = 0; i < keys; ++i) {
       wel.peer_keys.push_back(rd.Str());
       if (wel.peer_keys.back().size() != 32) throw FrameError("a data-connection credential is not 32 bytes");
     }
     const uint32_t flags = rd.AtEnd() ? 0 : rd.U32();
     if (flags & ~(kWelcomeFaultTolerance | kWelcomeJoining))
       throw FrameError("unknown welcome flags " + std::to_string(flags));
+    const uint32_t most = rd.AtEnd() ? workers : rd.U32();
+    if (most < workers || most > kMaxNodes || (most > workers && !(flags & kWelcomeFaultTolerance)))
+      throw FrameError("a job of at most " + std::to_string(most) + " workers with " + std::to_string(workers));
+    wel.max_workers = static_cast<int>(most);
     if (!rd.AtEnd()) throw FrameError("trailing bytes after the welcome");
+    const int64_t peers = me.role == Role::kWorker ? wel.num_servers : wel.max_workers;
+    if (keys != peers) throw FrameError("the welcome's credentials do not match the job's size");
     wel.fault_tolerance = (flags & kWelcomeFaultTolerance) != 0;
     wel.joining = (flags & kWelcomeJoining) != 0;
     if (wel.joining && (me.role != Role::kWorker || !wel.fault_tolerance))

@@ -37,12 +37,16 @@ struct NodeInfo {
 // What the scheduler answers in kWelcome.
 struct Welcome {
   int64_t rank = -1;
-  int num_workers = 0;  // worker processes: worker hosts x local size
+  int num_workers = 0;  // worker processes: worker hosts x local size (a joiner's: up to its rank)
   int num_servers = 0;
+  // Fault tolerance: the most worker ranks the job may give out (comm.max_workers; a
+  // scale-up adds ranks up to it). A server gets a credential for each; num_workers if
+  // the welcome does not say.
+  int max_workers = 0;
   std::vector<std::string> servers;  // endpoints, index = server id
   uint64_t job_id = 0;  // random per job: names host-local shared memory
   // Data-connection credentials the scheduler issued: a worker gets one per server, a
-  // server one per worker (index = the peer's id); see secure_link.h.
+  // server one per worker rank up to max_workers (index = the peer's id); secure_link.h.
   std::vector<std::string> peer_keys;
   // comm.fault_tolerance, as the scheduler runs the job (kWelcomeFaultTolerance): a
   // server then keeps serving when the scheduler goes (server.cc, OnSchedulerLost).
@@ -52,7 +56,7 @@ struct Welcome {
 
 // Bits of the welcome's trailing flags word (absent: none).
 constexpr uint32_t kWelcomeFaultTolerance = 1;
-constexpr uint32_t kWelcomeJoining = 2;  // a worker taking the place of one that left (fault tolerance)
+constexpr uint32_t kWelcomeJoining = 2;  // a worker joining the running job (fault tolerance)
 
 // The largest job the control plane accepts (a welcome beyond it is malformed).
 constexpr int kMaxNodes = 1 << 16;

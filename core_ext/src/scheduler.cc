@@ -22,6 +22,10 @@ Scheduler::Scheduler(const SchedulerOptions& opts)
                                     std::to_string(opts.num_workers) +
                                     ", servers=" + std::to_string(opts.num_servers) +
                                     ", local_size=" + std::to_string(opts.local_size));
+  if (opts.max_workers < 0 || opts.max_workers > kMaxNodes || (opts.max_workers > 0 && !opts.fault_tolerance))
+    throw Error(Error::kConfig, "comm.max_workers (more workers joining a running job) needs comm.fault_tolerance "
+                                "and at most " + std::to_string(kMaxNodes) + ". Received: max_workers=" +
+                                    std::to_string(opts.max_workers));
   server_load_.assign(opts.num_servers, 0);
   server_share_.assign(opts.num_servers, 1.0 / opts.num_servers);
   local_size_ = opts.local_size;
@@ -232,17 +236,21 @@ void Scheduler::CompleteRendezvousLocked() {
 
 std::string Scheduler::WelcomeMetaLocked(const Node& n, uint32_t flags) const {
   MetaWriter w;
-  w.I64(n.rank).U32(num_workers_).U32(opts_.num_servers);
+  const bool worker = n.role == Role::kWorker;
+  // A scale-up joiner's rank is beyond the job's workers until its admission says more.
+  const int workers = worker ? std::max(num_workers_, static_cast<int>(n.rank) + 1) : num_workers_;
+  w.I64(n.rank).U32(static_cast<uint32_t>(workers)).U32(opts_.num_servers);
   for (const auto& endpoint : server_endpoints_) w.Str(endpoint);
   w.I64(static_cast<int64_t>(job_id_));
   // Pairwise data-connection credentials: only this worker and that server get
-  // HMAC(job key, worker, server), so no other node can act as either on that link.
-  const bool worker = n.role == Role::kWorker;
-  const int peers = worker ? opts_.num_servers : num_workers_;
+  // HMAC(job key, worker, server), so no other node can act as either on that link. A
+  // server gets one for every rank a scale-up may give out.
+  const int peers = worker ? opts_.num_servers : MaxWorkersLocked();
   w.U32(static_cast<uint32_t>(peers));
   for (int p = 0; p < peers; ++p)
     w.Str(HmacSha256(job_key_, MetaWriter().Str("data").I64(worker ? n.rank : p).I64(worker ? p : n.rank).bytes()));
   w.U32(flags | (opts_.fault_tolerance ? kWelcomeFaultTolerance : 0));
+  w.U32(static_cast<uint32_t>(MaxWorkersLocked()));
   return w.bytes();
 }
 
@@ -349,7 +357,7 @@ void Scheduler::HandleDeclare(const std::shared_ptr<Node>& node, const std::stri
   d.link_bytes_per_s = r.I64();
   d.device = r.Str();
   d.layout = r.Str();
-  if (!ValidDType(d.dtype) || d.partition_bytes < 0 || d.participants < 1 || d.participants > num_workers_ ||
+  if (!ValidDType(d.dtype) || d.partition_bytes < 0 || d.participants < 0 || d.participants > num_workers_ ||
       d.link_bytes_per_s < 0 || d.device.size() > 64 || d.layout.size() > 256)
     throw FrameError("declare with bad dtype/partition/participants/link/device/layout");
   for (int64_t dim : d.shape)
@@ -377,10 +385,10 @@ void Scheduler::TryCompleteDeclarationLocked(const std::string& name) {
     pending_decls_.erase(pit);
     return;
   }
-  // Every worker of the job declares a whole-job tensor: with fault tolerance, every
-  // worker still in it.
+  // Every worker of the job declares a whole-job tensor (participants 0: as many as the
+  // job has, which fault tolerance changes): every worker still in it.
   const int participants = pend.begin()->second.front().participants;
-  const int needed = participants >= num_workers_ ? LiveWorkersLocked() : participants;
+  const int needed = participants == 0 || participants >= num_workers_ ? LiveWorkersLocked() : participants;
   if (static_cast<int>(pend.size()) < needed) return;
 
   // Every rank has declared `name`: compare their oldest declarations with each other.

@@ -42,6 +42,10 @@ struct SchedulerOptions {
   // comm.fault_tolerance: a worker that dies or hangs leaves the job (kMembership to
   // everyone) instead of failing it; servers and the scheduler itself still fail it.
   bool fault_tolerance = false;
+  // comm.max_workers: with fault tolerance, workers that register after the rendezvous
+  // with no departed worker's place free get new ranks (scale-up) up to this many worker
+  // processes in all; 0 = no more than the rendezvous' num_workers x local_size.
+  int max_workers = 0;
   std::string secret;
   std::string transport = "tcp";  // "tcp" or "inproc" (Transport::Get)
 };
@@ -99,9 +103,10 @@ class Scheduler {
   // and whatever waited for it (barrier, declarations, goodbyes) is decided without it.
   void DepartLocked(const std::shared_ptr<Node>& node, const std::string& why);
   // Fault tolerance, scheduler_membership.cc: a worker registering after rendezvous takes
-  // the place of one that left (its rank, its data credentials) and waits to join; it
-  // joins at the next admission (kAdmissionBarrier) of the workers in the job, once every
-  // server applied the new membership (kMembershipAck).
+  // the place of one that left (its rank, its data credentials), or a new rank below
+  // max_workers (scale-up), and waits to join; it joins at the next admission
+  // (kAdmissionBarrier) of the workers in the job, once every server applied the new
+  // membership (kMembershipAck).
   bool JoinLaterLocked(const std::shared_ptr<Node>& node);
   void OnAdmissionBarrierLocked(const std::shared_ptr<Node>& node);
   void TryAdmitLocked();
@@ -115,8 +120,11 @@ class Scheduler {
   void ServerLostLocked(const std::shared_ptr<Node>& node, const std::string& why);
   int LiveServersLocked() const { return opts_.num_servers - static_cast<int>(lost_servers_.size()); }
   void PostMembershipLocked(Role role);  // the current membership, to every such node in the job
+  std::string MembershipNoticeLocked() const;  // the current membership's kMembership meta
   std::string WelcomeMetaLocked(const Node& n, uint32_t flags) const;
   int LiveWorkersLocked() const { return num_workers_ - static_cast<int>(departed_.size()); }
+  // The most worker ranks the job gives out: the rendezvous' and the scale-up's.
+  int MaxWorkersLocked() const { return std::max(opts_.max_workers, opts_.num_workers * local_size_); }
   // Answers the declarations of `name` once every rank that must has declared it.
   void TryCompleteDeclarationLocked(const std::string& name);
   void TryReleaseBarrierLocked();
@@ -157,7 +165,8 @@ class Scheduler {
   std::vector<int64_t> server_load_;
   std::vector<double> server_share_;  // fraction of all bytes each server should hold
   int local_size_ = 0;                // learned from the first worker unless configured
-  int num_workers_ = 0;               // worker processes, once local_size_ is known
+  int num_workers_ = 0;               // worker ranks given out, once local_size_ is known (grows
+                                      // when a scale-up joiner is admitted)
   int64_t next_tensor_id_ = 0;
   std::vector<int64_t> barrier_ranks_;  // workers waiting in the current barrier
   int goodbyes_ = 0;

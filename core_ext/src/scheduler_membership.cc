@@ -3,6 +3,10 @@
 // that left (JoinLaterLocked, then an admission). The membership is one list, the ranks
 // out of the job now, with an epoch that grows at each change (kMembership).
 //
+// With comm.max_workers above the job's size, a worker that finds no such place free
+// takes a new rank (scale-up): the job's size grows at its admission, and the membership
+// notices carry it.
+//
 // A join is admitted only where every worker in the job waits for it (an admission
 // barrier, between steps: nothing in flight) and after every server applied the new
 // membership: a round of the new membership then counts the joiner everywhere, and all
@@ -32,7 +36,7 @@ void Scheduler::DepartLocked(const std::shared_ptr<Node>& node, const std::strin
   // its connection stays until then, so the notice is not lost with it.
   FrameHeader h;
   h.type = static_cast<uint16_t>(MsgType::kMembership);
-  node->out->Post(h, MembershipNoticeMeta(static_cast<int64_t>(membership_epoch_), departed_));
+  node->out->Post(h, MembershipNoticeLocked());
   // A join waiting for the servers' acks now waits for their acks of this membership.
   if (!acks_awaited_.empty()) AwaitAcksLocked();
   barrier_ranks_.erase(std::remove(barrier_ranks_.begin(), barrier_ranks_.end(), node->rank), barrier_ranks_.end());
@@ -60,16 +64,24 @@ bool Scheduler::JoinLaterLocked(const std::shared_ptr<Node>& node) {
   int64_t slot = -1;
   for (int64_t r : departed_)
     if (!taken.count(r) && (node->rank_hint < 0 || node->rank_hint == r) && (slot < 0 || r < slot)) slot = r;
+  // Scale-up (comm.max_workers): a new rank, the lowest free one above the job's, or the
+  // one asked for; ranks it skips count as departed from its admission on.
+  const int64_t most = MaxWorkersLocked();
+  for (int64_t r = num_workers_; slot < 0 && r < most; ++r)
+    if (!taken.count(r) && (node->rank_hint < 0 || node->rank_hint == r)) slot = r;
   if (slot < 0) {
-    if (departed_.empty())
+    if (departed_.empty() && num_workers_ >= most)
       return refuse("the job already has all " + std::to_string(num_workers_) + " workers; a worker joins a "
-                    "running job only in the place of one that left (fault tolerance)");
+                    "running job only in the place of one that left, or up to comm.max_workers (" +
+                    std::to_string(most) + ") workers (fault tolerance)");
     std::string free;
     for (int64_t r : departed_)
       if (!taken.count(r)) free += (free.empty() ? "" : ", ") + std::to_string(r);
-    return refuse(free.empty() ? "every place of a worker that left is taken by one waiting to join"
-                               : "rank " + std::to_string(node->rank_hint) + " is not the place of a worker that "
-                                 "left; free: " + free + " (or no DMLC_WORKER_ID)");
+    for (int64_t r = num_workers_; r < most; ++r)
+      if (!taken.count(r)) free += (free.empty() ? "" : ", ") + std::to_string(r);
+    return refuse(free.empty() ? "every free place in the job is taken by a worker waiting to join"
+                               : "rank " + std::to_string(node->rank_hint) + " is not a free place in the job; "
+                                 "free: " + free + " (or no DMLC_WORKER_ID)");
   }
   node->rank = slot;
   node->joining = true;
@@ -80,7 +92,8 @@ bool Scheduler::JoinLaterLocked(const std::shared_ptr<Node>& node) {
   FrameHeader h;
   h.type = static_cast<uint16_t>(MsgType::kWelcome);
   node->out->Post(h, WelcomeMetaLocked(*node, kWelcomeJoining));
-  LogInfo(node->Describe() + " waits to join the job in the place of worker " + std::to_string(slot) +
+  LogInfo(node->Describe() + " waits to join the job " +
+          (slot < num_workers_ ? "in the place of worker " + std::to_string(slot) : std::string("as a new worker")) +
           " (at the next admission of the others)");
   return true;
 }
@@ -103,6 +116,12 @@ void Scheduler::TryAdmitLocked() {
     return SendToWorkersLocked(MsgType::kBarrierReply, "", nullptr, kAdmissionBarrier);
   }
   std::string who;
+  int grown = num_workers_;
+  for (auto& j : joining_) grown = std::max(grown, static_cast<int>(j->rank) + 1);
+  // Scale-up: the new ranks a joiner skipped (one that waits or left while waiting) are
+  // places of workers out of the job, free for the next joiners.
+  for (int64_t r = num_workers_; r < grown; ++r) departed_.push_back(r);
+  num_workers_ = grown;
   for (auto& j : joining_) {
     departed_.erase(std::remove(departed_.begin(), departed_.end(), j->rank), departed_.end());
     rejoined_.insert(j->rank);
@@ -139,8 +158,8 @@ void Scheduler::FinishAdmissionLocked() {
     j->goodbye = false;
     j->last_seen = Clock::now();
   }
-  joining_.clear();
   PostMembershipLocked(Role::kWorker);  // before the reply: they read it first
+  joining_.clear();
   admit_ranks_.clear();
   SendToWorkersLocked(MsgType::kBarrierReply, "", nullptr, kAdmissionBarrier);
   TryReleaseBarrierLocked();
@@ -158,10 +177,18 @@ void Scheduler::ForgetJoinerLocked(const std::shared_ptr<Node>& node, const std:
   nodes_.erase(std::remove(nodes_.begin(), nodes_.end(), node), nodes_.end());
 }
 
+std::string Scheduler::MembershipNoticeLocked() const {
+  // The joiners of an admission not yet announced to the workers are in the notice of
+  // a departure meanwhile too: a worker that hears of that one first learns of them there.
+  std::vector<int64_t> joined;
+  for (auto& j : joining_) joined.push_back(j->rank);
+  return MembershipNoticeMeta(static_cast<int64_t>(membership_epoch_), num_workers_, departed_, joined);
+}
+
 void Scheduler::PostMembershipLocked(Role role) {
   FrameHeader h;
   h.type = static_cast<uint16_t>(MsgType::kMembership);
-  const std::string meta = MembershipNoticeMeta(static_cast<int64_t>(membership_epoch_), departed_);
+  const std::string meta = MembershipNoticeLocked();
   for (auto& n : nodes_)
     if (n->role == role && !n->goodbye) n->out->Post(h, meta);  // not a departed worker or a lost server
 }

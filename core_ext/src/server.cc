@@ -58,6 +58,7 @@ void Server::Run() {
     {
       std::lock_guard<std::mutex> lk(mu_);
       num_workers_ = w.num_workers;
+      max_workers_ = w.max_workers;
       worker_keys_ = w.peer_keys;
       fault_tolerance_ = w.fault_tolerance;
       welcomed_ = true;
@@ -74,6 +75,7 @@ void Server::Run() {
     EngineThread* et = engines_.back().get();
     et->handler = opts_.handler ? opts_.handler(pool_) : std::make_unique<SumHandler>(pool_);
     et->params = std::make_unique<ParamStore>(pool_);
+    et->num_workers = num_workers_;
     et->thread = std::thread([this, et, i] { EngineLoop(et, i); });
   }
   accept_thread_ = std::thread([this] { AcceptLoop(); });
@@ -390,13 +392,14 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
       (empty ? h.body_len != 0 : h.body_len != p.len))
     throw FrameError("push of key " + std::to_string(h.key) + " has inconsistent lengths (arg=" +
                      std::to_string(h.arg) + ", body=" + std::to_string(h.body_len) + ")");
-  p.expected = num_workers_;
+  const int workers = num_workers_;
+  p.expected = workers;
   MetaReader r(meta);
   if (h.meta_len >= 4) p.expected = static_cast<int>(r.U32());
   if (h.meta_len >= 8) p.root = static_cast<int>(r.U32());
-  if (p.expected < 1 || p.expected > num_workers_)
+  if (p.expected < 1 || p.expected > workers)
     throw FrameError("push expects " + std::to_string(p.expected) + " contributions; the job has " +
-                     std::to_string(num_workers_) + " workers");
+                     std::to_string(workers) + " workers");
   p.complete_at = h.meta_len >= 12 ? static_cast<int>(r.U32()) : p.expected;
   if (p.complete_at < 1 || p.complete_at > p.expected || (p.broadcast && p.complete_at != p.expected))
     throw FrameError("push completes its round at " + std::to_string(p.complete_at) + " of " +
@@ -454,6 +457,9 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
 
 void Server::Process(EngineThread* et, Task& t) {
   const Push& p = t.push;
+  if (p.sender >= et->num_workers)  // a worker waiting to join as a new rank (scale-up)
+    return Reject(t, "worker " + std::to_string(p.sender) + " pushed before the job admitted it (comm.max_workers: a "
+                     "new worker joins at the others' next admission)");
   if (Departed(et, p.sender))
     return Reject(t, "worker " + std::to_string(p.sender) + " left the job (comm.fault_tolerance: the others went "
                      "on without it); its pushes are refused, it must rejoin");
@@ -556,7 +562,7 @@ void Server::CompleteRound(EngineThread* et, std::map<std::pair<uint64_t, uint64
   reply.key = r.key;
   reply.version = r.version;
   reply.arg = r.pushes;  // how many pushes the answer sums (k-of-n workers average by it)
-  if (pr.meta_expected == num_workers_ && r.pushes < num_workers_) reply.flags |= kFlagReduced;  // a worker left
+  if (pr.meta_expected == et->num_workers && r.pushes < et->num_workers) reply.flags |= kFlagReduced;  // one left
   std::string meta;
   if (!error.empty()) {
     meta = MetaWriter().Str(error).bytes();
@@ -642,7 +648,7 @@ void Server::SendParamAnswers(EngineThread* et, std::vector<ParamStore::Answer>&
     reply.type = static_cast<uint16_t>(a.error.empty() ? MsgType::kPullReply : MsgType::kError);
     reply.key = a.key;
     reply.version = a.version;
-    reply.arg = num_workers_;
+    reply.arg = et->num_workers;
     reply.body_len = a.weights ? a.weights->size() : 0;
     w->second->Reply(reply, a.error.empty() ? MetaWriter().I64(a.staleness).bytes() : MetaWriter().Str(a.error).bytes(),
                      a.error.empty() ? std::move(a.weights) : nullptr);
@@ -693,7 +699,7 @@ void Server::CompleteSparse(EngineThread* et, std::map<std::pair<uint64_t, uint6
   reply.key = key;
   reply.version = version;
   reply.arg = sr.expected;  // the pushes merged (a worker that left may have sent one)
-  if (sr.meta_expected == num_workers_ && sr.expected < num_workers_) reply.flags |= kFlagReduced;
+  if (sr.meta_expected == et->num_workers && sr.expected < et->num_workers) reply.flags |= kFlagReduced;
   std::shared_ptr<Buffer> body = sr.error.empty() ? sr.merged->Result(*pool_) : nullptr;
   if (sr.table && sr.error.empty()) {
     // Storage mode: the average of every worker's gradient, one optimizer step per row.

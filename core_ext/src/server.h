@@ -144,6 +144,7 @@ class Server {
     // membership's epoch (reduced answers carry both).
     std::vector<int64_t> departed;
     int64_t membership_epoch = 0;
+    int num_workers = 0;  // worker ranks of that membership (a scale-up adds some)
     std::map<int64_t, uint64_t> rejoined_from;  // rank -> its first round number after it rejoined
     // rounds, finished and held together, for stats() from other threads
     std::atomic<int64_t> pending{0};
@@ -209,7 +210,10 @@ class Server {
   std::shared_ptr<BufferPool> pool_ = BufferPool::Create();
   ControlClient control_;
   std::vector<int> cpus_;
-  int num_workers_ = 0;
+  // Worker ranks in the job (the newest membership's: a scale-up grows it; written under
+  // mu_, read by connection threads to check pushes), and the most it may grow to.
+  std::atomic<int> num_workers_{0};
+  int max_workers_ = 0;
   std::vector<int64_t> departed_;  // under mu_: the newest membership (kMembership)
   int64_t membership_epoch_ = 0;   // under mu_
   std::map<int64_t, uint64_t> rejoined_from_;  // under mu_: EngineThread::rejoined_from

@@ -15,18 +15,21 @@
 namespace bps {
 
 void Server::OnMembership(const std::string& meta) {
-  MembershipNotice notice = ParseMembershipNotice(meta, num_workers_);
+  MembershipNotice notice = ParseMembershipNotice(meta, max_workers_);
   const int64_t epoch = notice.epoch;
   bool joined = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (epoch <= membership_epoch_) return;  // an older notice
+    if (notice.size < num_workers_)
+      throw FrameError("a membership notice of " + std::to_string(notice.size) + " workers after one of " +
+                       std::to_string(num_workers_.load()) + " (a job only grows)");
     membership_epoch_ = epoch;
-    for (int64_t r : departed_)
-      if (!std::binary_search(notice.departed.begin(), notice.departed.end(), r)) {
-        rejoined_from_[r] = static_cast<uint64_t>(epoch) << kJoinVersionShift;
-        joined = true;
-      }
+    num_workers_ = notice.size;
+    // Replacements and scale-up's new ranks: rounds of that rank numbered before this
+    // membership come from the process it replaced.
+    for (int64_t r : notice.joined) rejoined_from_[r] = static_cast<uint64_t>(epoch) << kJoinVersionShift;
+    joined = !notice.joined.empty();
     departed_ = std::move(notice.departed);
   }
   LogWarn(joined ? "workers joined the job (fault tolerance, membership " + std::to_string(epoch) +
@@ -74,7 +77,7 @@ void Server::CheckWorkersWithoutScheduler() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (done_ || scheduler_lost_.empty()) return;
-    for (int64_t r = 0; r < num_workers_ && failure.empty(); ++r) {
+    for (int64_t r = 0; r < num_workers_.load() && failure.empty(); ++r) {
       if (std::binary_search(departed_.begin(), departed_.end(), r) || said_goodbye_.count(r)) continue;
       // Still connected, or not connected yet (it has its welcome, so it can without
       // the scheduler): running.
@@ -98,7 +101,8 @@ void Server::CheckWorkersWithoutScheduler() {
 }
 
 std::string Server::ReducedAnswerMeta(const EngineThread* et) const {
-  return et->departed.empty() ? std::string() : MembershipNoticeMeta(et->membership_epoch, et->departed);
+  return et->departed.empty() ? std::string()
+                              : MembershipNoticeMeta(et->membership_epoch, et->num_workers, et->departed);
 }
 
 bool Server::Departed(const EngineThread* et, int rank) const {
@@ -109,10 +113,10 @@ void Server::FitToMembership(const EngineThread* et, PendingRound& pr) const {
   Round& r = pr.round;
   // Only rounds of the whole job in sync mode: hierarchical slices name their own
   // participants, k-of-n closes rounds by itself (both off with fault tolerance).
-  if (et->departed.empty() || pr.meta_expected != num_workers_ || pr.meta_complete_at != pr.meta_expected) return;
+  if (et->departed.empty() || pr.meta_expected != et->num_workers || pr.meta_complete_at != pr.meta_expected) return;
   int left_after_pushing = 0;
   for (int s : r.senders) left_after_pushing += Departed(et, s) ? 1 : 0;
-  r.expected = r.complete_at = num_workers_ - static_cast<int>(et->departed.size()) + left_after_pushing;
+  r.expected = r.complete_at = et->num_workers - static_cast<int>(et->departed.size()) + left_after_pushing;
   if (r.broadcast && pr.error.empty() && Departed(et, r.root) &&
       std::find(r.senders.begin(), r.senders.end(), r.root) == r.senders.end())
     pr.error = "broadcast of partition " + std::to_string(r.key) + " round " + std::to_string(r.version) +
@@ -120,10 +124,10 @@ void Server::FitToMembership(const EngineThread* et, PendingRound& pr) const {
 }
 
 void Server::FitToMembership(const EngineThread* et, SparseRound& sr) const {
-  if (et->departed.empty() || sr.meta_expected != num_workers_) return;
+  if (et->departed.empty() || sr.meta_expected != et->num_workers) return;
   int left_after_pushing = 0;
   for (int s : sr.senders) left_after_pushing += Departed(et, s) ? 1 : 0;
-  sr.expected = num_workers_ - static_cast<int>(et->departed.size()) + left_after_pushing;
+  sr.expected = et->num_workers - static_cast<int>(et->departed.size()) + left_after_pushing;
 }
 
 void Server::ApplyMembership(EngineThread* et) {
@@ -131,6 +135,7 @@ void Server::ApplyMembership(EngineThread* et) {
     std::lock_guard<std::mutex> lk(mu_);
     et->departed.assign(departed_.begin(), departed_.end());
     et->membership_epoch = membership_epoch_;
+    et->num_workers = num_workers_;
     et->rejoined_from = rejoined_from_;
   }
   for (auto it = et->rounds.begin(); it != et->rounds.end();) {
@@ -154,7 +159,7 @@ void Server::ProcessRecoveredAnswer(EngineThread* et, Task& t) {
   // rank applies the same update. No reply: the worker that sends it has its answer.
   const Push& p = t.push;
   const auto id = std::make_pair(p.key, p.version);
-  const int live = p.expected == num_workers_ ? num_workers_ - static_cast<int>(et->departed.size()) : p.expected;
+  const int live = p.expected == et->num_workers ? et->num_workers - static_cast<int>(et->departed.size()) : p.expected;
   auto kept = et->finished.find(id);
   if (kept != et->finished.end()) {  // another worker handed it over first
     FinishedRound& f = kept->second;

@@ -22,22 +22,36 @@ void CheckHeader(const FrameHeader& h, uint64_t max_body, uint32_t max_meta) {
                      std::to_string(max_body));
 }
 
-std::string MembershipNoticeMeta(int64_t epoch, const std::vector<int64_t>& departed) {
-  return MetaWriter().I64(epoch).I64Vec(departed).bytes();
+std::string MembershipNoticeMeta(int64_t epoch, int size, const std::vector<int64_t>& departed,
+                                 const std::vector<int64_t>& joined) {
+  return MetaWriter().I64(epoch).U32(static_cast<uint32_t>(size)).I64Vec(departed).I64Vec(joined).bytes();
 }
 
-MembershipNotice ParseMembershipNotice(const std::string& meta, int num_workers) {
+MembershipNotice ParseMembershipNotice(const std::string& meta, int max_workers) {
   MetaReader r(meta);
   MembershipNotice n;
   n.epoch = r.I64();
+  const uint32_t size = r.U32();
   n.departed = r.I64Vec();
+  n.joined = r.I64Vec();
   if (!r.AtEnd()) throw FrameError("membership notice with trailing bytes");
   if (n.epoch < 1) throw FrameError("membership notice of epoch " + std::to_string(n.epoch));
-  std::sort(n.departed.begin(), n.departed.end());
-  if (static_cast<int>(n.departed.size()) >= num_workers ||
-      (!n.departed.empty() && (n.departed.front() < 0 || n.departed.back() >= num_workers)) ||
-      std::adjacent_find(n.departed.begin(), n.departed.end()) != n.departed.end())
+  if (size < 1 || size > static_cast<uint32_t>(max_workers))
+    throw FrameError("membership notice of " + std::to_string(size) + " workers; the job allows at most " +
+                     std::to_string(max_workers));
+  n.size = static_cast<int>(size);
+  // Both fewer than size: an admission needs workers already in the job.
+  auto ranks_ok = [&](std::vector<int64_t>& v) {
+    std::sort(v.begin(), v.end());
+    return static_cast<int>(v.size()) < n.size && (v.empty() || (v.front() >= 0 && v.back() < n.size)) &&
+           std::adjacent_find(v.begin(), v.end()) == v.end();
+  };
+  const bool departed_ok = ranks_ok(n.departed), joined_ok = ranks_ok(n.joined);
+  if (!departed_ok || !joined_ok)
     throw FrameError("membership notice naming workers outside the job or twice");
+  for (int64_t j : n.joined)
+    if (std::binary_search(n.departed.begin(), n.departed.end(), j))
+      throw FrameError("membership notice naming worker " + std::to_string(j) + " as departed and joined");
   return n;
 }
 

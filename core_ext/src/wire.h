@@ -191,14 +191,19 @@ class MetaReader {
   size_t pos_ = 0;
 };
 
-// A kMembership notice, checked (it came off the network): its epoch, and the ranks out
-// of the job now (left, not rejoined), ascending, each in [0, num_workers) once, fewer
-// than num_workers (none after every one that left rejoined).
+// A kMembership notice, checked (it came off the network): its epoch, how many worker
+// ranks the job has given out (the rendezvous' workers plus those a scale-up added, at
+// most `max_workers`), the ranks out of the job now (left, not rejoined) and the ranks
+// the newest admission let in (in the job; none in a notice of a departure alone), each
+// ascending, in [0, size) once; fewer departed than size.
 struct MembershipNotice {
   int64_t epoch = 0;
+  int size = 0;
   std::vector<int64_t> departed;
+  std::vector<int64_t> joined;
 };
-MembershipNotice ParseMembershipNotice(const std::string& meta, int num_workers);
-std::string MembershipNoticeMeta(int64_t epoch, const std::vector<int64_t>& departed);
+MembershipNotice ParseMembershipNotice(const std::string& meta, int max_workers);
+std::string MembershipNoticeMeta(int64_t epoch, int size, const std::vector<int64_t>& departed,
+                                 const std::vector<int64_t>& joined = {});
 
 }  // namespace bps

@@ -72,6 +72,7 @@ void Worker::Rendezvous() {
     }
     rank_ = static_cast<int>(w.rank);
     size_ = w.num_workers;
+    max_workers_ = w.max_workers;
     servers_ = w.servers;
     SetLogPrefix("bpstrain worker " + std::to_string(rank_));
     if (opts_.aggregate > size_)
@@ -152,7 +153,7 @@ void Worker::MeasureLinks(const std::vector<std::unique_ptr<DataConn>>& conns) {
                                                       static_cast<int>(servers_.size()), 1)
                                  : opts_.partition_bytes;
   credit_ = opts_.credit_bytes > 0 ? opts_.credit_bytes : AutoCreditBytes(part, link_, static_cast<int>(servers_.size()));
-  const int peers = std::max(static_cast<int>(servers_.size()), size_);
+  const int peers = std::max(static_cast<int>(servers_.size()), size_.load());
   const int sndbuf = auto_sndbuf ? AutoSocketSendBuffer(link_, peers) : opts_.socket_send_buffer;
   if (auto_sndbuf)
     for (const auto& dc : conns) dc->link->SetSendBuffer(sndbuf);
@@ -173,7 +174,7 @@ int Worker::CompleteAt(const OpRequest& req) const {
   // Only ops over the whole job as such (participants 0): a caller that names the
   // participants (hierarchical slices) sums and divides by itself, over all of them.
   if (!KOfN() || req.op == Op::kBroadcast || req.participants != 0 || req.sparse_row_width)
-    return req.participants ? req.participants : size_;
+    return req.participants ? req.participants : size_.load();
   return opts_.aggregate;
 }
 
@@ -195,7 +196,8 @@ std::shared_ptr<TensorDecl> Worker::DeclareLocked(const OpRequest& req, int part
   std::string declare;
   const int64_t partition = req.partition_bytes > 0 ? req.partition_bytes : opts_.partition_bytes;
   auto previous = scheduler_lost_.empty() ? nullptr : registry_.Find(req.name);
-  auto t = registry_.Use(req, participants ? participants : size_, partition, link_.bytes_per_s, &declare);
+  // participants 0 = the whole job, however many workers it has when the round runs.
+  auto t = registry_.Use(req, participants, partition, link_.bytes_per_s, &declare);
   if (!declare.empty() && !scheduler_lost_.empty()) {
     registry_.Withdraw(t, previous);  // no reply can come: the name keeps what it had
     throw Error(Error::kPeer, SchedulerGoneLocked("declaring tensor '" + req.name + "' (new, or a new shape or dtype)"));
@@ -430,7 +432,7 @@ void Worker::SenderLoop(DataConn* c) {
     h.sender = rank_;
     h.flags = static_cast<uint16_t>((static_cast<int>(req.dtype) << 8) | (bcast ? kFlagBroadcast : 0) |
                                     (send_body ? 0 : kFlagEmpty));
-    const uint32_t participants = static_cast<uint32_t>(req.participants ? req.participants : size_);
+    const uint32_t participants = static_cast<uint32_t>(req.participants ? req.participants : size_.load());
     try {
       MetaWriter meta;
       meta.U32(participants);
@@ -519,7 +521,7 @@ void Worker::ReceiverLoop(DataConn* c) {
         throw FrameError("reply of " + std::to_string(h.body_len) + " bytes for a partition of " +
                          std::to_string(t.len) + (sparse ? " (sparse: not whole rows)" : ""));
       // The answer sums `h.arg` pushes: every participant's, or at least the k of k-of-n.
-      const int64_t participants = req.participants ? req.participants : size_;
+      const int64_t participants = req.participants ? req.participants : size_.load();
       const int64_t summed = h.arg;
       const int complete_at = CompleteAt(req);
       // A worker left (kFlagReduced): the round sums the pushes it got, at least one.
@@ -557,7 +559,7 @@ void Worker::ReceiverLoop(DataConn* c) {
       if (ok && !discard && !sparse && req.op == Op::kAverage) {
         // A k-of-n answer is averaged over the workers it sums (participants 0 = size_).
         DivideInPlace(req.dtype, dst, static_cast<size_t>(t.len) / DTypeSize(req.dtype),
-                      summed < participants ? summed : size_);
+                      summed < participants ? summed : size_.load());
       }
       // k-of-n answers say the newest round the server answered early: how far the
       // other workers are (RoundsBehind).

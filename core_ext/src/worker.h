@@ -256,7 +256,11 @@ class Worker {
   std::vector<int> cpus_;
   ControlClient control_;
   std::thread rendezvous_thread_;
-  int rank_ = -1, size_ = 0;
+  int rank_ = -1;
+  // Worker ranks in the job: the welcome's, grown by a scale-up's membership (written
+  // under mu_ at an admission, when nothing is in flight; read by the I/O threads).
+  std::atomic<int> size_{0};
+  int max_workers_ = 0;  // comm.max_workers, as the scheduler runs the job
   std::vector<int64_t> departed_;  // under mu_: fault tolerance, ranks that left (ascending)
   int64_t membership_epoch_ = 0;   // under mu_
   int64_t answered_epoch_ = 0;     // under mu_: Membership::answered_epoch

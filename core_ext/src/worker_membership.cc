@@ -9,19 +9,24 @@
 namespace bps {
 
 void Worker::OnMembership(const std::string& meta) {
-  MembershipNotice notice = ParseMembershipNotice(meta, size_);
+  MembershipNotice notice = ParseMembershipNotice(meta, max_workers_);
   const int64_t epoch = notice.epoch;
   bool me = false, join = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (epoch <= membership_epoch_) return;
+    if (notice.size < size_)
+      throw FrameError("a membership notice of " + std::to_string(notice.size) + " workers after one of " +
+                       std::to_string(size_.load()) + " (a job only grows)");
     membership_epoch_ = epoch;
-    std::vector<int64_t> joined;
-    for (int64_t r : departed_)
-      if (!std::binary_search(notice.departed.begin(), notice.departed.end(), r)) joined.push_back(r);
+    // The ranks this admission let in (replacements and scale-up's new ranks), the same
+    // list on every rank, the joiners' own included.
+    std::vector<int64_t> joined = notice.joined;
+    size_ = notice.size;
     me = std::binary_search(notice.departed.begin(), notice.departed.end(), static_cast<int64_t>(rank_));
     if (joining_ && !me) {  // this worker's own admission: it hears of no membership before
-      joined.push_back(rank_);
+      if (!std::binary_search(joined.begin(), joined.end(), static_cast<int64_t>(rank_)))
+        throw FrameError("the membership that admits worker " + std::to_string(rank_) + " does not name it");
       joining_ = false;
       admitted_late_ = true;
     }
@@ -100,7 +105,7 @@ std::string Worker::SchedulerGoneLocked(const std::string& what) const {
 }
 
 void Worker::NoteAnsweredMembership(const std::string& meta) {
-  MembershipNotice notice = ParseMembershipNotice(meta, size_);  // FrameError: the link drops
+  MembershipNotice notice = ParseMembershipNotice(meta, max_workers_);  // FrameError: the link drops
   std::lock_guard<std::mutex> lk(mu_);
   if (notice.epoch <= answered_epoch_) return;
   answered_epoch_ = notice.epoch;

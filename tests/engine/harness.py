@@ -27,7 +27,7 @@ class InProcessCluster:
     def __init__(self, workers=2, servers=1, secret="", local_size=1, worker_hosts=None,
                  server_hosts=None, mixed_mode=True, assign_ranks=False, transport=None,
                  extra_workers=0, before_ready=None, peer_timeout=10, handler=None, fault_tolerance=False,
-                 **worker_kwargs):
+                 max_workers=0, **worker_kwargs):
         """``workers`` processes on ``workers // local_size`` hosts (BytePS's
         DMLC_NUM_WORKER); ``worker_hosts`` / ``server_hosts`` name each node's host
         (BPSTRAIN_HOST_ID) for mixed-mode placement, default all unnamed; with
@@ -35,13 +35,14 @@ class InProcessCluster:
         ``extra_workers`` more workers are expected that the test plays itself
         (``before_ready(cluster)`` connects them, through ``connect_raw``). ``handler``
         is a factory of Python server handlers (None: the servers sum).
-        ``fault_tolerance`` turns comm.fault_tolerance on at the scheduler and workers."""
+        ``fault_tolerance`` turns comm.fault_tolerance on at the scheduler and workers;
+        ``max_workers`` is the scheduler's comm.max_workers (scale-up)."""
         self.transport = transport = transport or DEFAULT_TRANSPORT
         self.secret = secret
         self.scheduler = _core.Scheduler((workers + extra_workers) // local_size, servers, host="127.0.0.1",
                                          port=0, rendezvous_timeout=20, peer_timeout=peer_timeout,
                                          secret=secret, mixed_mode=mixed_mode, transport=transport,
-                                         fault_tolerance=fault_tolerance)
+                                         fault_tolerance=fault_tolerance, max_workers=max_workers)
         self.scheduler.start()
         port = self.scheduler_port = self.scheduler.port
         server_hosts = server_hosts or [""] * servers

@@ -93,7 +93,7 @@ def test_a_hung_worker_is_left_behind_after_the_peer_timeout_and_its_pushes_are_
         reply = data.recv(10)
         assert reply is not None and b"left the job" in reply[4], reply
         notice = fake.link.recv(5)  # and the scheduler told it that it left
-        assert notice is not None and notice[0] == MEMBERSHIP and struct.unpack_from("<qIq", notice[4]) == (1, 1, 2)
+        assert notice is not None and notice[0] == MEMBERSHIP and struct.unpack_from("<qIIq", notice[4]) == (1, 3, 1, 2)
         fake.link.shutdown()
 
 
@@ -243,7 +243,7 @@ def test_without_fault_tolerance_the_scheduler_dying_fails_the_workers():
 def joiner(c, rank_hint=-1):
     """A real worker started after rendezvous: it waits to join in a free place."""
     w = _core.Worker("127.0.0.1", c.scheduler_port, rank_hint=rank_hint, rendezvous_timeout=20, numa="off",
-                     fault_tolerance=True, transport=c.transport)
+                     fault_tolerance=True, transport=c.transport, secret=c.secret)
     w.start()
     return w
 

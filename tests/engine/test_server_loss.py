@@ -73,11 +73,11 @@ def test_the_rounds_a_lost_server_held_are_pushed_again_and_every_result_is_exac
 
 
 def declare_meta(name, shape, partition_bytes):
-    """A worker's kDeclare (tensor_registry.cc): float32 on the CPU, all 3 ranks."""
+    """A worker's kDeclare (tensor_registry.cc): float32 on the CPU, the whole job (participants 0)."""
     def s(x):
         return struct.pack("<I", len(x)) + x.encode()
     return (s(name) + struct.pack("<I", FLOAT32) + struct.pack("<I", len(shape))
-            + b"".join(struct.pack("<q", d) for d in shape) + struct.pack("<qIq", partition_bytes, 3, 0)
+            + b"".join(struct.pack("<q", d) for d in shape) + struct.pack("<qIq", partition_bytes, 0, 0)
             + s("cpu") + s(""))
 
 

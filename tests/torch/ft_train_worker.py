@@ -6,7 +6,10 @@ job's scheduler (its launcher's child) instead and every worker finishes; with
 ``--fault server-kill|server-stop`` it kills or stops one of the job's servers. With
 ``--join-at J`` the training state is a ``bpstrain.torch.elastic.TorchState`` committed
 after every step, the launcher restarts the killed worker (``--max-restarts``), which
-joins at a commit (the others wait at step J's until it has) and goes on from their state. Each worker
+joins at a commit (the others wait at step J's until it has) and goes on from their state.
+With ``--scale-up-at S`` as well, rank 0 starts one more worker by hand at step S (a
+``DMLC_ROLE=worker`` process with no ``DMLC_WORKER_ID``: a new rank, under
+``BPSTRAIN_MAX_WORKERS``), which joins the same way. Each worker
 that finishes prints one ``FT_RESULT`` line: its final parameters, rank()/size() before
 and after, the membership events its callback saw and each step's seconds (the step of
 the fault holds the detection)."""
@@ -57,6 +60,7 @@ def main(argv=None):
     p.add_argument("--victim", type=int, default=2)
     p.add_argument("--at", type=int, default=5)
     p.add_argument("--join-at", type=int, default=0)
+    p.add_argument("--scale-up-at", type=int, default=0)
     args = p.parse_args(argv)
     if args.join_at:
         return elastic(args)
@@ -131,12 +135,15 @@ def elastic(args):
     state = bps.elastic.TorchState(model, opt, sampler=sampler, step=0)
     state.sync()
     first, restarted = state.step, os.environ.get("BPSTRAIN_RESTART")
-    indices, it, times = [], iter(sampler), []
+    indices, it, times, started = [], iter(sampler), [], None
     while state.step < STEPS:
         t0 = time.perf_counter()
         batch = [i for _, i in zip(range(BATCH), it)]
         if me == args.victim and state.step == args.at and not restarted:
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.scale_up_at and me == 0 and state.step == args.scale_up_at:
+            env = {k: v for k, v in os.environ.items() if k not in ("DMLC_WORKER_ID", "BPSTRAIN_HOST_ID")}
+            started = subprocess.Popen([sys.executable, *sys.argv], env=env)
         x, y = rank_data(me, state.step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -157,6 +164,8 @@ def elastic(args):
                                      "restarted": restarted, "indices": indices, "times": times,
                                      "syncs": state.syncs}), flush=True)
     bps.shutdown()
+    if started is not None:
+        started.wait(60)
     return 0
 
 

@@ -23,13 +23,14 @@ from ft_train_worker import BATCH, SAMPLES, STEPS, rank_data  # noqa: E402
 AT = 5
 
 
-def launch(fault, fault_tolerance=True, timeout=120, worker_args=(), launcher_args=(), servers=1):
+def launch(fault, fault_tolerance=True, timeout=120, worker_args=(), launcher_args=(), servers=1, workers=3,
+           env_extra=None):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "BPSTRAIN_OP_TIMEOUT": "30",
-           "BPSTRAIN_TIMEOUT": "3", "BPSTRAIN_FAULT_TOLERANCE": "1" if fault_tolerance else "0"}
+           "BPSTRAIN_TIMEOUT": "3", "BPSTRAIN_FAULT_TOLERANCE": "1" if fault_tolerance else "0", **(env_extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     for name in [n for n in env if n.startswith("DMLC_")]:
         del env[name]
-    cmd = [sys.executable, "-m", "bpstrain.launch", "--workers", "3", "--servers", str(servers), *launcher_args, "--",
+    cmd = [sys.executable, "-m", "bpstrain.launch", "--workers", str(workers), "--servers", str(servers), *launcher_args, "--",
            sys.executable, str(HERE / "ft_train_worker.py"), "--fault", fault, "--at", str(AT), *worker_args]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -40,7 +41,7 @@ def launch(fault, fault_tolerance=True, timeout=120, worker_args=(), launcher_ar
 
 def replay(survivors_from=AT, rejoined_from=STEPS, momentum=0.0):
     """One process: SGD on the average of the gradients of the workers in the job (all
-    three, but rank 2 from step ``survivors_from`` until ``rejoined_from``)."""
+    three, but rank 2 not from step ``survivors_from`` until ``rejoined_from``)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
@@ -176,3 +177,35 @@ def test_a_killed_worker_is_restarted_and_rejoins_with_the_others_state(local_si
     seen = {i for r in results for batch in r["indices"] for i in batch} | set(order[2::3][:AT * BATCH])
     assert seen == set(range(SAMPLES)), sorted(set(range(SAMPLES)) - seen)
     assert "restarted it" in proc.stderr, out
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_started_by_hand_scales_the_job_up_and_gets_the_others_state():
+    """A job launched with 2 workers and BPSTRAIN_MAX_WORKERS=3: rank 0 starts a third
+    worker by hand (DMLC_ROLE=worker, no DMLC_WORKER_ID) at step AT; it gets rank 2, waits
+    in init() until a commit admits it, receives the parameters, momentum buffers, sampler
+    position and step, and trains to the end. All three end with the parameters of a
+    replay that averages 2 workers' gradients, then 3 from the step it joined at."""
+    join_at = AT + 3
+    proc, results, _ = launch("none", workers=2, env_extra={"BPSTRAIN_MAX_WORKERS": "3"},
+                              worker_args=["--join-at", str(join_at), "--scale-up-at", str(AT), "--victim", "-1"])
+    out = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, out
+    assert [r["rank"] for r in results] == [0, 1, 2], out
+    joiner = results[2]
+    assert joiner["start"] == [2, 3] and joiner["end"] == [2, 3] and joiner["restarted"] is None, joiner
+    assert AT < joiner["first_step"] <= join_at, joiner
+    for r in results:
+        assert r["params"] == results[0]["params"], out  # the joiner too, bit for bit
+    want = replay(survivors_from=0, rejoined_from=joiner["first_step"], momentum=0.9)
+    for got, ref in zip(results[0]["params"], want):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    for r in results[:2]:
+        assert r["start"] == [r["rank"], 2] and r["end"] == [r["rank"], 3] and r["syncs"] == 2, r
+        assert [(e["departed"], e["size"], e["joined"]) for e in r["events"]] == [([], 3, [2])], r
+    # From the join on the three deal the samples nobody consumed yet: no sample twice
+    # (but the padding of the last share), every sample of the epoch trained.
+    after = [i for r in results for batch in r["indices"][-(STEPS - joiner["first_step"]):] for i in batch]
+    assert len(after) - len(set(after)) < 3, after
+    seen = {i for r in results for batch in r["indices"] for i in batch}
+    assert seen == set(range(SAMPLES)), sorted(set(range(SAMPLES)) - seen)
