@@ -619,6 +619,20 @@ def broadcast(array, root_rank: int, name=None, out=None, dtype=None) -> np.ndar
     return synchronize(broadcast_async(array, root_rank, name, out, dtype))
 
 
+def broadcast_bytes(payload: Optional[bytes], root_rank: int, name: str) -> bytes:
+    """Returns ``root_rank``'s ``payload`` on every rank (the others pass None): its
+    length, then its bytes, as two broadcasts named ``<name>.length``/``<name>.payload``.
+    The adapters' ``broadcast_object`` send their pickles through it."""
+    mine = rank() == root_rank
+    data = np.frombuffer(payload, np.uint8).copy() if mine else np.zeros(0, np.uint8)
+    length = np.array([data.size], np.int64)
+    broadcast(length, root_rank, f"{name}.length", out=length)
+    if not mine:
+        data = np.empty(int(length[0]), np.uint8)
+    broadcast(data, root_rank, f"{name}.payload", out=data)
+    return payload if mine else data.tobytes()
+
+
 def barrier(timeout: Optional[float] = None) -> None:
     """Blocks until every rank has called :func:`barrier`."""
     state = _require()
@@ -655,6 +669,18 @@ def admit(timeout: Optional[float] = None) -> List[int]:
     state.ops[handle] = None, (), None
     synchronize(handle, timeout)
     return list(state.worker.membership()["joined"])
+
+
+def sync_root() -> int:
+    """The rank (as :func:`rank` numbers the workers in the job) whose state the workers
+    that joined at the newest :func:`admit` receive: the lowest rank that was in the job
+    before it (0 without fault tolerance or before any join). The same on every rank."""
+    m = membership()
+    departed, joined = set(m["departed"]), set(m["joined"])
+    stayed = [r for r in range(m["rendezvous_size"]) if r not in departed and r not in joined]
+    if not stayed:  # everyone joined at once (cannot happen: admissions need the job's workers)
+        return 0
+    return stayed[0] - sum(1 for r in departed if r < stayed[0])
 
 
 def set_trace(on: bool) -> None:

@@ -295,6 +295,9 @@ class ClusterConfig:
     host: str = "127.0.0.1"  # scheduler address (DMLC_PS_ROOT_URI)
     port: int = 0  # scheduler port (DMLC_PS_ROOT_PORT); 0 = pick a free one
     start_method: str = "auto"  # one of START_METHODS; auto = fork only when safe
+    # With comm.fault_tolerance: how many times in all a worker that died is started again
+    # (it joins the running job at the others' next admission, with their state).
+    max_restarts: int = 0
     # Where fit's workers run: local = child processes here; ray = actors on the Ray
     # cluster this process is attached to (bpstrain.ray.RayExecutor; pip install bpstrain[ray]).
     launcher: str = "auto"  # one of LAUNCHERS
@@ -393,6 +396,11 @@ class CommConfig:
         "a new rank below this (scale-up, as torchrun's --nnodes MIN:MAX or Horovod's "
         "--max-np); 0 = no more than the job started with. Read by the scheduler.",
         "BPSTRAIN_MAX_WORKERS", min=0, max=65536, expected="an integer >= 0 (0 = the job's size)")
+    admit_every: int = knob(
+        1, "With comm.fault_tolerance: the Trainer and bpstrain.keras.elastic's callback let "
+        "waiting workers join every this many optimizer steps (a round trip to the scheduler "
+        "each time, like a barrier; more = a joiner waits longer).", "BPSTRAIN_ADMIT_EVERY",
+        min=1, expected="an integer >= 1 (optimizer steps)")
     compression: str = knob(
         "none", "Gradient compression of the Trainer's DistributedOptimizer (torch and "
         "Keras): none | fp16 | bf16 | onebit | topk:<ratio> | randomk:<ratio> | "

@@ -34,7 +34,7 @@ _LAZY = {
     "LearningRateScheduleCallback": "bpstrain.keras.callbacks",
 }
 
-__all__ = sorted([*_LAZY, "barrier", "broadcast_variables", "callbacks", "init",
+__all__ = sorted([*_LAZY, "barrier", "broadcast_variables", "callbacks", "elastic", "init",
                   "is_initialized", "local_rank", "local_size", "push_pull", "rank",
                   "shutdown", "size"])
 
@@ -46,8 +46,8 @@ def __getattr__(name):
 
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name == "callbacks":
-        return importlib.import_module("bpstrain.keras.callbacks")
+    if name in ("callbacks", "elastic"):
+        return importlib.import_module(f"bpstrain.keras.{name}")
     raise AttributeError(f"module 'bpstrain.keras' has no attribute {name!r}")
 
 

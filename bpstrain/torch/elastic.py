@@ -222,11 +222,4 @@ class TorchState:
     @staticmethod
     def _root() -> int:
         """The root, as a rank among the workers in the job (what rank() numbers)."""
-        if not engine.is_initialized():
-            return 0
-        m = engine.membership()
-        departed, joined = set(m["departed"]), set(m["joined"])
-        stayed = [r for r in range(m["rendezvous_size"]) if r not in departed and r not in joined]
-        if not stayed:  # everyone joined at once (cannot happen: admissions need the job's workers)
-            return 0
-        return stayed[0] - sum(1 for r in departed if r < stayed[0])
+        return engine.sync_root() if engine.is_initialized() else 0

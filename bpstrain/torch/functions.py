@@ -11,7 +11,6 @@ import io
 import pickle
 from typing import Any, Iterable, List, Tuple
 
-import numpy as np
 import torch
 
 from bpstrain import engine
@@ -59,20 +58,16 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str = None) -> A
     Tensors inside ``obj`` are loaded on CPU when their device does not exist here.
     """
     name = name or "broadcast_object"
-    payload = np.zeros(0, np.uint8)
+    payload = None
     if ops.rank() == root_rank:
         buffer = io.BytesIO()
         torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
-        payload = np.frombuffer(buffer.getvalue(), np.uint8).copy()
-    length = np.array([payload.size], np.int64)
-    engine.broadcast(length, root_rank, f"{name}.length", out=length)
-    if ops.rank() != root_rank:
-        payload = np.empty(int(length[0]), np.uint8)
-    engine.broadcast(payload, root_rank, f"{name}.payload", out=payload)
+        payload = buffer.getvalue()
+    payload = engine.broadcast_bytes(payload, root_rank, name)
     if ops.rank() == root_rank:
         return obj
     location = None if torch.cuda.is_available() else "cpu"
-    return torch.load(io.BytesIO(payload.tobytes()), map_location=location, weights_only=False)
+    return torch.load(io.BytesIO(payload), map_location=location, weights_only=False)
 
 
 def _param_list(optimizer) -> List[torch.Tensor]:

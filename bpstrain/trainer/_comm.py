@@ -44,6 +44,12 @@ class Comm:
         """True when more than one rank takes part."""
         return self.size > 1
 
+    @property
+    def admitted_late(self) -> bool:
+        """comm.fault_tolerance: this worker joined the job while it ran (a restarted or
+        added worker): it takes the others' state where they are, not rank 0's start."""
+        return bool(engine.membership()["admitted_late"])
+
     def _adapter(self):
         """``bpstrain.torch``, set up on the running engine at first use."""
         if self._torch is None:
@@ -96,11 +102,11 @@ class Comm:
             prefix = "broadcast_optimizer_state" + (f".{i}" if i else "")
             self._adapter().broadcast_optimizer_state(optimizer, root_rank=0, prefix=prefix)
 
-    def broadcast_object(self, obj: Any, name: str) -> Any:
-        """Rank 0's picklable ``obj`` on every rank (others pass anything, e.g. None)."""
+    def broadcast_object(self, obj: Any, name: str, root: int = 0) -> Any:
+        """Rank ``root``'s picklable ``obj`` on every rank (others pass anything, e.g. None)."""
         if not self.distributed:
             return obj
-        return self._adapter().broadcast_object(obj, root_rank=0, name=name)
+        return self._adapter().broadcast_object(obj, root_rank=root, name=name)
 
     def gather_object(self, obj: Any, name: str) -> list:
         """Every rank's picklable ``obj``, in rank order, on every rank (collective)."""

@@ -91,6 +91,11 @@ class LocalClusterLauncher:
         # comm.fault_tolerance: workers that left the job (their exit does not stop it)
         self._fault_tolerance = bool(trainer.config.comm.get("fault_tolerance", False))
         self._departed: set = set()
+        # ... and may be started again (cluster.max_restarts), joining the running job
+        self._restarts_left = int(trainer.config.cluster.get("max_restarts", 0) or 0) \
+            if self._fault_tolerance else 0
+        self._failed: Dict[int, str] = {}  # reported an error, to restart once it exited
+        self._start_args = None  # how each worker process is started (to start it again)
         self.services = None
 
     def _payload(self, model: Any, data: Any, val_data: Any, folder: str) -> str:
@@ -144,13 +149,9 @@ class LocalClusterLauncher:
             self.services = LocalServices(cfg.workers, cfg.servers, cfg.local_size,
                                           host=cfg.host, port=cfg.port or None, env=extra)
             self.services.start()
+            self._start_args = (ctx, main, payload, messages, parent_pid)
             for i in range(cfg.workers):
-                env = {k: v for k, v in self.services.worker_env(i).items()
-                       if k.startswith(_CLUSTER_VARS)}
-                proc = ctx.Process(target=main, args=(i, env, payload, messages, parent_pid),
-                                   name=f"bpstrain-worker-{i}")
-                proc.start()
-                self.procs.append(proc)
+                self.procs.append(self._start_worker(i))
             results = self._supervise(messages, sink)
         except KeyboardInterrupt:
             sink.close()
@@ -171,6 +172,17 @@ class LocalClusterLauncher:
         self.trainer.history = History.from_dict(rank0["history"])
         return self.trainer.history
 
+    def _start_worker(self, rank: int, restart: int = 0):
+        """Starts worker ``rank``'s process (again, with BPSTRAIN_RESTART=k, to rejoin)."""
+        ctx, main, payload, messages, parent_pid = self._start_args
+        env = {k: v for k, v in self.services.worker_env(rank).items() if k.startswith(_CLUSTER_VARS)}
+        if restart:
+            env["BPSTRAIN_RESTART"] = str(restart)
+        proc = ctx.Process(target=main, args=(rank, env, payload, messages, parent_pid),
+                           name=f"bpstrain-worker-{rank}")
+        proc.start()
+        return proc
+
     def _supervise(self, messages, sink) -> Dict[int, Dict[str, Any]]:
         done: Dict[int, Dict[str, Any]] = {}
         while len(done) + len(self._departed) < len(self.procs):
@@ -189,6 +201,9 @@ class LocalClusterLauncher:
             done[msg[1]] = msg[2]
         elif msg[0] == "error":
             if self._fault_tolerance and len(self._departed) + 1 < len(self.procs) - len(done):
+                if self._restarts_left:  # started again once it has exited (_check_alive)
+                    self._failed[msg[1]] = f"{msg[2]}: {msg[3]}"
+                    return
                 self._depart(msg[1], f"{msg[2]}: {msg[3]}", sink)
                 return
             sink.close()
@@ -207,7 +222,11 @@ class LocalClusterLauncher:
             if rank in done or rank in self._departed or proc.exitcode is None:
                 continue
             if self._fault_tolerance and proc.exitcode != 0:
-                self._depart(rank, f"exited with code {proc.exitcode}", sink)
+                why = self._failed.pop(rank, f"exited with code {proc.exitcode}")
+                if self._restarts_left and len(self._departed) + 1 < len(self.procs) - len(done):
+                    self._restart(rank, why, sink)
+                else:
+                    self._depart(rank, why, sink)
                 continue
             try:  # what it sent just before exiting may still be in the pipe
                 while rank not in done:
@@ -219,6 +238,17 @@ class LocalClusterLauncher:
                     "output above says why; a script must call fit() under "
                     "`if __name__ == \"__main__\":`). Received: "
                     f"exitcode={proc.exitcode}") from None
+
+    def _restart(self, rank: int, why: str, sink) -> None:
+        """comm.fault_tolerance with cluster.max_restarts: worker ``rank`` died; a new
+        process takes its place and joins at the others' next admission."""
+        self._restarts_left -= 1
+        restart = int(self.trainer.config.cluster.max_restarts) - self._restarts_left
+        old, self.procs[rank] = self.procs[rank], self._start_worker(rank, restart)
+        old.close()  # it exited: its sentinel fd goes now
+        sink.write(f"worker {rank} {why}; fault tolerance: restarted it ({restart} of "
+                   f"{self.trainer.config.cluster.max_restarts}), it joins the job at the others' "
+                   "next admission", stderr=True)
 
     def _depart(self, rank: int, why: str, sink) -> None:
         """comm.fault_tolerance: worker ``rank`` left; the others go on (the engine's

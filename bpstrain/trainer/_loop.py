@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from bpstrain.config import ConfigError
-from bpstrain.trainer import _compression_state, _data, _optim, _preempt, _resume
+from bpstrain.trainer import _compression_state, _data, _elastic, _optim, _preempt, _resume
 from bpstrain.trainer._dispatch import fire, module_hook
 from bpstrain.trainer._precision import Precision, optimizer_step
 from bpstrain.trainer.history import History
@@ -114,6 +114,16 @@ def _restore(trainer, module, optimizers: list, watch=None) -> Optional[dict]:
     if loaded is None:
         return None
     path, ckpt = loaded
+    _load_state(trainer, module, optimizers, ckpt, path)
+    if trainer.rank == 0 and ckpt.get("rng") is not None:
+        torch.set_rng_state(ckpt["rng"])
+    _resume.restore_progress(trainer, module, path, ckpt)
+    return ckpt
+
+
+def _load_state(trainer, module, optimizers: list, ckpt: dict, path: str) -> None:
+    """The module, its optimizers, loss scaler and schedulers from a checkpoint's state
+    (read from ``path``, or sent by a peer to a worker that joined the running job)."""
     hook = module_hook(module, "on_load_checkpoint")
     if hook is not None:  # Lightning calls the module's before it restores the weights
         hook(ckpt)
@@ -132,10 +142,6 @@ def _restore(trainer, module, optimizers: list, watch=None) -> Optional[dict]:
     if ckpt.get("lr_schedulers_pending"):  # saved at epoch end, before its scheduler step
         last = (ckpt.get("history") or {}).get("epochs") or [{}]
         _step_epoch_schedulers(trainer, int(ckpt["epoch"]), last[-1])
-    if trainer.rank == 0 and ckpt.get("rng") is not None:
-        torch.set_rng_state(ckpt["rng"])
-    _resume.restore_progress(trainer, module, path, ckpt)
-    return ckpt
 
 
 def _build_optimizers(trainer, module) -> tuple:
@@ -202,12 +208,22 @@ def _fit_torch(trainer, module, data: Any, val_data: Any, watch) -> History:
     _set_epoch_length(trainer, train_dl, passes, 0)
     optimizers, trainer.lr_schedulers = _build_optimizers(trainer, module)
     trainer.module, trainer.optimizers, trainer.optimizer = module, optimizers, optimizers[0]
-    ckpt = _restore(trainer, module, optimizers, watch)
+    # A worker that joined the running job (fault tolerance) takes the others' state
+    # where they are (_elastic.join); it has nothing to resume and nobody to broadcast with.
+    joining = elastic and comm.admitted_late
+    ckpt = None if joining else _restore(trainer, module, optimizers, watch)
     trainer.optimizers = [comm.wrap_optimizer(o, module, passes) for o in optimizers]
     trainer.optimizer = trainer.optimizers[0]
     _compression_state.restore(trainer, ckpt)  # each rank its own residuals
     _optim.rebind_schedulers(trainer.lr_schedulers, optimizers, trainer.optimizers)
-    comm.broadcast_state(module, optimizers)
+    if joining:
+        state = _elastic.join(trainer, train_dl.sampler)
+        # Into the wrapped optimizers: loading replaces an optimizer's state dict, which the
+        # wrapper shares with the optimizer it wraps only until then.
+        _load_state(trainer, module, trainer.optimizers, state, "the worker it joined")
+        _resume.restore_callbacks(trainer, state)
+    else:
+        comm.broadcast_state(module, optimizers)
     step_schedulers = [s for s in trainer.lr_schedulers if s.interval == "step"]
     run = _Steps(module, cfg.trainer.loss)
     callbacks = trainer.callbacks
@@ -221,10 +237,16 @@ def _fit_torch(trainer, module, data: Any, val_data: Any, watch) -> History:
         trainer.train_sums = trainer.resume_sums if start else {}
         trainer.val_sums = None
         train_dl.sampler.set_epoch(epoch)
-        if elastic:  # dealt over the workers in the job now
+        if elastic and trainer.resume_sampler is not None:  # joined mid-epoch: the others' deal
+            train_dl.sampler.load_state_dict(trainer.resume_sampler)
+            trainer.resume_sampler = None
+            _set_epoch_length(trainer, train_dl, passes, start)
+        elif elastic:  # dealt over the workers in the job now
             _set_epoch_length(trainer, train_dl, passes, 0)
-        # A mid-epoch resume: the same shuffled order, less the batches already trained.
-        train_dl.sampler.skip = start * train_dl.batch_size
+            # A mid-epoch resume: the same shuffled order, less the batches already trained.
+            train_dl.sampler.skip = start * train_dl.batch_size
+        else:
+            train_dl.sampler.skip = start * train_dl.batch_size
         fire(callbacks, "train_epoch_start", trainer, module, epoch=epoch, logs=trainer.logs)
         module.train()
         _zero_grad(trainer.optimizers)
@@ -262,7 +284,10 @@ def _fit_torch(trainer, module, data: Any, val_data: Any, watch) -> History:
             if elastic:  # a step boundary: where workers that left are dealt out
                 deals = train_dl.sampler.deals
                 train_dl.sampler.record_batch(n)
-                if train_dl.sampler.deals != deals:  # the rest of the epoch, over fewer workers
+                # Workers waiting to join come in at an optimizer step's end.
+                if (batch_idx + 1) % passes == 0 and _elastic.due(trainer):
+                    _elastic.admit(trainer, epoch, batch_idx + 1, train_dl.sampler)
+                if train_dl.sampler.deals != deals:  # the rest of the epoch, over other workers
                     _set_epoch_length(trainer, train_dl, passes, batch_idx + 1)
             if (batch_idx + 1) % passes == 0 and watch.should_stop():
                 _preempt.save_and_stop(trainer, watch, epoch, batch_idx + 1, train_dl.sampler)

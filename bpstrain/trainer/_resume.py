@@ -47,13 +47,18 @@ def restore_progress(trainer, module, path: str, ckpt: Dict[str, Any]) -> None:
     trainer.resumed = True
     trainer.current_epoch = int(ckpt["epoch"]) + 1
     trainer.global_step = int(ckpt.get("global_step", 0))
-    trainer.history = History.from_dict(ckpt.get("history", {}))
-    states = ckpt.get("callbacks", {})
-    for cb in trainer.callbacks:
-        if cb.state_key in states:
-            cb.load_state_dict(states[cb.state_key])
+    restore_callbacks(trainer, ckpt)
     _preempt.restore_position(trainer, ckpt)  # saved mid-epoch: at the next batch
     fire(trainer.callbacks, "load_checkpoint", trainer, module, checkpoint=ckpt)
     where = f"epoch {trainer.current_epoch}" + (
         f", batch {trainer.resume_batch}" if trainer.resume_batch else "")
     trainer.print(f"resumed from {path} ({where})")
+
+
+def restore_callbacks(trainer, ckpt: Dict[str, Any]) -> None:
+    """The history and every callback's state from a checkpoint's state."""
+    trainer.history = History.from_dict(ckpt.get("history", {}))
+    states = ckpt.get("callbacks", {})
+    for cb in trainer.callbacks:
+        if cb.state_key in states:
+            cb.load_state_dict(states[cb.state_key])

@@ -150,6 +150,8 @@ class Trainer:
         self.resume_sums: Dict[str, list] = {}
         self.resume_logs: Dict[str, Any] = {}
         self.resume_rank_state: Optional[Dict[str, Any]] = None
+        # comm.fault_tolerance: a worker that joined mid-epoch, the sampler state it was sent
+        self.resume_sampler: Optional[Dict[str, Any]] = None
 
     # ------------------------------------------------------------------------- properties
 
@@ -281,6 +283,8 @@ class Trainer:
         from bpstrain.trainer._run_dir import resolve_run_name
 
         name = run_name or self.config.trainer.run_name
+        if name is None and self.comm.admitted_late:
+            return  # a worker that joined the running job: the others send it (_elastic.join)
         if name is None:
             name = (_job_run_name(self.config) or resolve_run_name(self.config.trainer)
                     if self.is_global_zero else None)

@@ -29,7 +29,7 @@ def report_checks(checks, rank, size):
               flush=True)
 
 
-def launch(argv, workers, extra_env, timeout):
+def launch(argv, workers, extra_env, timeout, launcher_args=()):
     """Runs the job in its own process group, killing the whole group on timeout.
 
     Args:
@@ -37,6 +37,7 @@ def launch(argv, workers, extra_env, timeout):
         workers: Number of workers (one server).
         extra_env: Variables on top of this environment (cluster variables removed).
         timeout: Seconds before everything is killed.
+        launcher_args: More options of ``python -m bpstrain.launch``.
 
     Returns:
         ``(exit code, combined output, {check: {rank: {"ok", "error", ...}}})``.
@@ -46,7 +47,7 @@ def launch(argv, workers, extra_env, timeout):
                 "BPSTRAIN_OP_TIMEOUT": "60", **extra_env})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "bpstrain.launch", "--workers", str(workers), "--servers", "1",
-           "--", *[str(a) for a in argv]]
+           *launcher_args, "--", *[str(a) for a in argv]]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

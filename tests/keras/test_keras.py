@@ -116,3 +116,41 @@ def test_model_fit_survives_a_killed_worker_under_fault_tolerance():
             grads.append(2.0 / BATCH * x.T @ (x @ w - y))
         w -= LR * sum(grads) / len(grads)
     np.testing.assert_allclose(results[0]["kernel"], w.ravel(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_killed_worker_is_restarted_and_joins_model_fit_with_the_others_state():
+    """bpstrain.keras.elastic (Horovod's KerasState and CommitStateCallback): rank 2 of 3
+    is SIGKILLed at batch 3 of epoch 0 and the launcher (--max-restarts 1) starts it
+    again; it joins at a commit mid-training, gets the weights, the optimizer's momentum
+    and step counter and the position, and trains the rest of that epoch and the next.
+    All three end with equal kernels, equal to a replay averaging 3 workers' gradients,
+    then 2, then 3 again from the step it joined at."""
+    import json
+
+    from keras_ft_worker import AT, BATCH, LR, STEPS, rank_data
+    from keras_join_worker import EPOCHS
+
+    code, out, _ = launch([sys.executable, HERE / "keras_join_worker.py"], 3,
+                          {"KERAS_BACKEND": "tensorflow", "BPSTRAIN_FAULT_TOLERANCE": "1", "BPSTRAIN_TIMEOUT": "3"},
+                          timeout=240, launcher_args=["--max-restarts", "1"])
+    results = sorted((json.loads(line.split("FT_RESULT ", 1)[1]) for line in out.splitlines()
+                      if "FT_RESULT " in line), key=lambda r: r["rank"])
+    assert code == 0 and [r["rank"] for r in results] == [0, 1, 2], out[-4000:]
+    joiner = results[2]
+    assert joiner["restarted"] == "1" and joiner["size"] == 3, joiner
+    joined_at = joiner["start"][0] * STEPS + joiner["start"][1]
+    assert AT < joined_at < EPOCHS * STEPS, joiner
+    for r in results:
+        assert r["kernel"] == results[0]["kernel"] and r["iterations"] == EPOCHS * STEPS, r
+    w, v = np.zeros((4, 1)), np.zeros((4, 1))
+    data = [rank_data(r) for r in range(3)]
+    for t in range(EPOCHS * STEPS):
+        k = t % STEPS
+        ranks = range(3) if t < AT or t >= joined_at else range(2)
+        grads = []
+        for r in ranks:
+            x, y = (a[k * BATCH:(k + 1) * BATCH].astype(np.float64) for a in data[r])
+            grads.append(2.0 / BATCH * x.T @ (x @ w - y))
+        v = 0.5 * v - LR * sum(grads) / len(grads)
+        w = w + v
+    np.testing.assert_allclose(results[0]["kernel"], w.ravel(), rtol=1e-4, atol=1e-5)

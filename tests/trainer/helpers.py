@@ -220,3 +220,40 @@ class CompressionProbe(Callback):
 
     def load_state_dict(self, state):
         self.at_start, self.at_epoch_end = state["at_start"], state["at_epoch_end"]
+
+
+class ExitAndRejoin(Callback):
+    """comm.fault_tolerance with restarts: the worker of rendezvous rank ``rank`` exits
+    abruptly (as if killed) at global step ``step`` of its first life; the restarted
+    process leaves ``marker`` when it is unpickled (before its engine starts). The
+    workers in the job wait at the last batch of epoch 0 until that marker is there (and
+    3 s more, for its registration), then go on slowly until it joined, so that it joins
+    at that batch's end (or soon after)."""
+
+    def __init__(self, marker, rank: int = 2, step: int = 2):
+        self.marker, self.rank, self.step = str(marker), rank, step
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if os.environ.get("BPSTRAIN_RESTART"):
+            open(self.marker, "w").close()
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        from bpstrain import engine
+
+        if (engine.membership()["rendezvous_rank"] == self.rank and trainer.global_step == self.step
+                and not os.environ.get("BPSTRAIN_RESTART")):
+            os._exit(3)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        import time
+
+        if trainer.global_step <= self.step or trainer.size >= 3:
+            return
+        if trainer.current_epoch == 0 and batch_idx == trainer.num_training_batches - 1:
+            deadline = time.monotonic() + 90
+            while not os.path.exists(self.marker) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(3)
+        else:
+            time.sleep(0.25)

@@ -18,7 +18,7 @@ from bpstrain.launch import free_port
 from bpstrain.trainer import RemoteTraceback, Trainer
 from bpstrain.trainer.callbacks import find_last_checkpoint, read_checkpoint
 from bpstrain.errors import PeerError
-from tests.trainer.helpers import (DieWritingCheckpoint, ExitWorker, SeenSamples, FailingModule, InterruptParent, Recorder,
+from tests.trainer.helpers import (DieWritingCheckpoint, ExitAndRejoin, ExitWorker, SeenSamples, FailingModule, InterruptParent, Recorder,
                                    base_config, blobs, tiny_net)
 
 
@@ -210,6 +210,34 @@ def test_with_fault_tolerance_the_others_finish_when_a_worker_dies(tmp_path, cap
                        if line.split()[0] == str(epoch)] for f in files]
         assert set(per_worker[0]) | set(per_worker[1]) == set(range(len(x))), epoch
         assert len(per_worker[0]) == len(per_worker[1]), epoch
+    assert _children() == []
+
+
+@pytest.mark.timeout(180)
+def test_with_max_restarts_a_worker_that_died_is_started_again_and_rejoins(tmp_path, capsys):
+    """cluster.max_restarts: worker 2 of 3 dies at step 2; the local cluster starts it
+    again, it joins the running job with the others' state and position, and all three
+    finish every epoch; fit returns the model, and every sample of each epoch trained."""
+    x, y = blobs(384)
+    model = tiny_net()
+    cfg = base_config(tmp_path, **{"cluster.workers": 3, "cluster.port": free_port(), "trainer.epochs": 3,
+                                   "comm.fault_tolerance": True, "comm.timeout": 5, "cluster.max_restarts": 1})
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    history = Trainer(cfg, callbacks=[ExitAndRejoin(tmp_path / "restarted"), SeenSamples(seen)]).fit(model, (x, y))
+    assert len(history["loss"]) == 3 and history["loss"][-1] < history["loss"][0]
+    out = capsys.readouterr()
+    assert "worker 2 exited with code 3; fault tolerance: restarted it (1 of 1)" in out.err, out.err
+    assert "worker(s) [2] joined the job at epoch" in out.out + out.err, out
+    index = {(f"{a:.5f}", f"{b:.5f}"): i for i, (a, b) in enumerate(x[:, :2])}
+    files = sorted(seen.iterdir())
+    assert len(files) == 4, files  # the three processes of the start and the restarted one
+    epochs = [{line.split()[0] for line in f.read_text().splitlines()} for f in files]
+    assert sum("2" in e for e in epochs) == 3, epochs  # three workers trained the last epoch
+    for epoch in (0, 1, 2):
+        trained = {index[tuple(line.split()[1:])] for f in files for line in f.read_text().splitlines()
+                   if line.split()[0] == str(epoch)}
+        assert trained == set(range(len(x))), epoch
     assert _children() == []
 
 
