@@ -1,5 +1,7 @@
-"""One worker of the faults benchmark (:mod:`bpstrain.bench.faults`): a digits CNN trained
-for ``--steps`` synchronous steps while the benchmark kills, stops and cuts off workers.
+"""One worker of the faults benchmark (:mod:`bpstrain.bench.faults`): a digits CNN (or, with
+``--model vgg16``, VGG-16 on the digits upscaled to 3x32x32) trained for ``--steps``
+synchronous steps of ``--batch`` samples while the benchmark kills, stops and cuts off
+workers.
 
 bpstrain (``comm.fault_tolerance``; BytePS's ``DMLC_*`` variables, scheduler and servers
 running): the state is a :class:`bpstrain.torch.elastic.TorchState` committed after every
@@ -39,13 +41,18 @@ import sys  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-BATCH = 32  # per worker and step
-
-
-def _batch(train, rank: int, step: int):
+def _batch(train, rank: int, step: int, size: int):
     g = torch.Generator().manual_seed(1_000_003 * step + rank)
-    idx = torch.randint(len(train), (BATCH,), generator=g)
+    idx = torch.randint(len(train), (size,), generator=g)
     return train.tensors[0][idx], train.tensors[1][idx]
+
+
+def _as_images(data):
+    """The 8x8 digits as VGG-16's input: 3 x 32 x 32 (VGG's five poolings need >= 32)."""
+    from torch.utils.data import TensorDataset
+
+    x = F.interpolate(data.tensors[0], size=(32, 32), mode="bilinear", align_corners=False)
+    return TensorDataset(x.expand(-1, 3, -1, -1).contiguous(), data.tensors[1])
 
 
 def _accuracy(model, test) -> float:
@@ -67,11 +74,11 @@ class _Progress:
         self._f.write(f"# {when or time.time():.4f} {what}\n")
 
 
-def _model():
+def _model(name: str):
     from bpstrain.models import get_model
 
     torch.manual_seed(0)
-    return get_model("digits_cnn")
+    return get_model(name, num_classes=10) if name == "vgg16" else get_model(name)
 
 
 def run_bpstrain(args, train, test) -> dict:
@@ -82,7 +89,7 @@ def run_bpstrain(args, train, test) -> dict:
     me = engine.membership()["rendezvous_rank"]
     progress = _Progress(args.progress, "bpstrain", me)
     engine.on_membership_change(lambda m: progress.note(f"membership size={m['size']} departed={m['departed']}"))
-    model = _model()
+    model = _model(args.model)
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
                                    named_parameters=model.named_parameters())
     state = bps.elastic.TorchState(model, opt, step=0)
@@ -90,7 +97,7 @@ def run_bpstrain(args, train, test) -> dict:
     progress.note(f"start step={state.step} restart={os.environ.get('BPSTRAIN_RESTART', '0')}")
     lost = []
     while state.step < args.steps:
-        x, y = _batch(train, me, state.step)
+        x, y = _batch(train, me, state.step, args.batch)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -116,7 +123,7 @@ def run_torchrun(args, train, test) -> dict:
     rank, size = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(timeout=datetime.timedelta(seconds=args.timeout))
     progress = _Progress(args.progress, "torchrun", rank)
-    model = _model()
+    model = _model(args.model)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     step = 0
     if os.path.exists(args.checkpoint):
@@ -127,7 +134,7 @@ def run_torchrun(args, train, test) -> dict:
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     progress.note(f"start step={step} restart={os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
     while step < args.steps:
-        x, y = _batch(train, rank, step)
+        x, y = _batch(train, rank, step, args.batch)
         opt.zero_grad()
         F.cross_entropy(ddp(x), y).backward()
         opt.step()
@@ -147,7 +154,7 @@ def run_torchft(args, train, test) -> dict:
     from torchft.checkpointing.pg_transport import PGTransport
 
     progress = _Progress(args.progress, "torchft", args.rank)
-    model = _model()
+    model = _model(args.model)
     inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # The replica group's own store (one process per group here): torchft expects the one
     # torchrun would start.
@@ -172,7 +179,7 @@ def run_torchft(args, train, test) -> dict:
     workers = 0
     while manager.current_step() < args.steps:
         step = manager.current_step()
-        x, y = _batch(train, args.rank, step)
+        x, y = _batch(train, args.rank, step, args.batch)
         opt.zero_grad()  # starts the quorum
         F.cross_entropy(model(x), y).backward()
         flat = torch.cat([p.grad.reshape(-1) for p in params])
@@ -200,11 +207,15 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=5.0, help="torchrun, torchft: gloo's timeout (s)")
     p.add_argument("--rank", type=int, default=0, help="torchft: this replica group's number")
     p.add_argument("--host", default="127.0.0.1", help="torchft: this host's address")
+    p.add_argument("--model", default="digits_cnn", choices=("digits_cnn", "vgg16"))
+    p.add_argument("--batch", type=int, default=32, help="samples per worker and step")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from bpstrain.models import digits_dataset
 
     train, test = digits_dataset("train"), digits_dataset("test")
+    if args.model == "vgg16":
+        train, test = _as_images(train), _as_images(test)
     result = {"bpstrain": run_bpstrain, "torchrun": run_torchrun, "torchft": run_torchft}[args.system](
         args, train, test)
     if result["rank"] == 0:

@@ -4,7 +4,8 @@
     python -m bpstrain.bench.faults --events kill stop cut --every 30 --steps 20000
     python -m bpstrain.bench.faults --systems bpstrain --json faults.json
 
-Both systems train the digits CNN (:mod:`bpstrain.bench._faults_worker`) for the same
+Every system trains the digits CNN (or ``--model vgg16``: VGG-16, 134 M parameters, on
+the digits upscaled, 4 samples per worker and step) (:mod:`bpstrain.bench._faults_worker`) for the same
 number of synchronous steps, once without faults and once under a scripted schedule
 that injects one event ``--every`` seconds after the first step, and each next one
 ``--every`` seconds after training resumed from the last, into worker host 1, 2, 3, 1, ...:
@@ -62,7 +63,9 @@ from bpstrain.launch._procs import child_pids
 
 _WORKER = "bpstrain.bench._faults_worker"
 EVENTS = ("kill", "stop", "cut", "server")
-BATCH = 32  # the worker's per-rank batch
+# The models the workers train, and each one's per-rank batch: the digits CNN, and the
+# VGG-16 of the training benchmark (its 134 M parameters on the same digits, upscaled).
+MODELS = {"digits_cnn": 32, "vgg16": 4}
 
 
 @dataclasses.dataclass
@@ -78,6 +81,7 @@ class Plan:
     stop_s: float = 8.0
     cut_s: float = 8.0
     timeout: float = 5.0
+    model: str = "digits_cnn"
     checkpoint_every: int = 100
     systems: Sequence[str] = ("bpstrain", "torchrun", "torchft")
     run_timeout: float = 900.0
@@ -220,6 +224,10 @@ def _continue(pid: int) -> None:
         pass
 
 
+def _model_args(plan: Plan) -> list[str]:
+    return ["--model", plan.model, "--batch", str(MODELS[plan.model])]
+
+
 def _run_bpstrain(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, faults: bool) -> None:
     sched_host = plan.workers + plan.servers
     common = {
@@ -236,7 +244,7 @@ def _run_bpstrain(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, fa
         run.start(f"server{j}", host, role, _jobs.child_env({**common, "DMLC_ROLE": "server",
                                                              "DMLC_NODE_HOST": hosts.addr(host)}))
     argv = [sys.executable, "-m", _WORKER, "--system", "bpstrain", "--steps", str(plan.steps),
-            "--progress", progress]
+            "--progress", progress, *_model_args(plan)]
     for i in range(plan.workers):
         run.start(f"worker{i}", i, argv, _jobs.child_env({
             **common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i), "BYTEPS_LOCAL_RANK": "0",
@@ -254,7 +262,7 @@ def _run_torchrun(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, fa
                 "--local-addr", hosts.addr(i), "--max-restarts", "100",
                 "--monitor-interval", "0.5", "-m", _WORKER, "--system", "torchrun", "--steps", str(plan.steps),
                 "--progress", progress, "--checkpoint", checkpoint,
-                "--checkpoint-every", str(plan.checkpoint_every), "--timeout", str(plan.timeout)]
+                "--checkpoint-every", str(plan.checkpoint_every), "--timeout", str(plan.timeout), *_model_args(plan)]
         run.start(f"worker{i}", i, argv, _jobs.child_env({"GLOO_SOCKET_IFNAME": hosts.ifname}))
     _supervise(plan, run, restart=None)
 
@@ -270,7 +278,8 @@ def _run_torchft(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, fau
         f"heartbeat_timeout_ms={int(plan.timeout * 1000)})\ntime.sleep(1e9)")], _jobs.child_env({}))
     for i in range(plan.workers):
         argv = [sys.executable, "-m", _WORKER, "--system", "torchft", "--rank", str(i), "--host", hosts.addr(i),
-                "--steps", str(plan.steps), "--progress", progress, "--timeout", str(plan.timeout)]
+                "--steps", str(plan.steps), "--progress", progress, "--timeout", str(plan.timeout),
+                *_model_args(plan)]
         run.start(f"worker{i}", i, argv, _jobs.child_env({
             "GLOO_SOCKET_IFNAME": hosts.ifname, "TORCHFT_LIGHTHOUSE": f"http://{hosts.addr(lighthouse_host)}:{port}"}))
     _supervise(plan, run, restart=lambda name, n: run.restart(name, BPSTRAIN_RESTART=str(n)))
@@ -321,17 +330,19 @@ def _read_progress(directory: str) -> tuple[list, list]:
     return sorted(steps), sorted(notes)
 
 
-def _summarize(system: str, steps: list, notes: list, injected: Sequence[Injected], accuracy: float) -> dict:
-    """Per event: noticed, stall, steps lost, back; per run: samples/s that count."""
+def _summarize(system: str, steps: list, notes: list, injected: Sequence[Injected], accuracy: float,
+               batch: int = MODELS["digits_cnn"]) -> dict:
+    """Per event: noticed, stall, steps lost, back; per run: samples/s that count
+    (``batch`` samples per worker and step)."""
     first, last = steps[0][0], steps[-1][0]
     final = max(s for _, s, _, _ in steps)
     if system != "torchrun":  # the groups that took part in each step
         per_step = {}
         for _, s, w, _ in steps:
             per_step[s] = w
-        samples = sum(per_step.values()) * BATCH
+        samples = sum(per_step.values()) * batch
     else:
-        samples = final * len({n.split("-")[1] for _, _, _, n in steps}) * BATCH
+        samples = final * len({n.split("-")[1] for _, _, _, n in steps}) * batch
     events = []
     # An event after the last step hit a job that had finished training (its workers
     # still exiting): nothing to measure.
@@ -417,7 +428,8 @@ def run_system(plan: Plan, cluster: emulated.EmulatedCluster, hosts: EmulatedHos
         results = [json.loads(m) for m in re.findall(r"FAULTS_RESULT (.*)", "".join(
             run.logs(n) for n in run.procs if n.startswith("worker")))]
         steps, notes = _read_progress(progress)
-        return _summarize(system, steps, notes, injected, results[-1]["accuracy"] if results else float("nan"))
+        return _summarize(system, steps, notes, injected, results[-1]["accuracy"] if results else float("nan"),
+                          MODELS[plan.model])
 
 
 def run(plan: Plan) -> list[dict]:
@@ -480,6 +492,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=d.timeout,
                    help="bpstrain's comm.timeout and gloo's timeout (s)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="torchrun")
+    p.add_argument("--model", default=d.model, choices=sorted(MODELS),
+                   help="what the workers train: the digits CNN, or VGG-16 (134 M parameters) on the same digits")
+    p.add_argument("--run-timeout", type=float, default=d.run_timeout, help="seconds one run may take")
     p.add_argument("--systems", nargs="+", default=list(d.systems), choices=("bpstrain", "torchrun", "torchft"))
     p.add_argument("--json", help="also write the summaries here")
     p.add_argument("--keep", default="", help="keep each run's logs and progress files in this directory")
@@ -491,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = Plan(workers=args.workers, servers=args.servers, rate_mbit=args.rate_mbit, steps=args.steps,
                 events=args.events, every=args.every, stop_s=args.stop_s, cut_s=args.cut_s,
                 timeout=args.timeout, checkpoint_every=args.checkpoint_every, systems=args.systems,
-                keep=args.keep)
+                keep=args.keep, model=args.model, run_timeout=args.run_timeout)
     summaries = run(plan)
     if args.json:
         with open(args.json, "w") as f:

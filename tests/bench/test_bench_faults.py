@@ -5,7 +5,9 @@ what a stall, a lost step, a goodput are. The benchmark itself needs root and mi
 import pytest
 
 from bpstrain.bench import faults
-from bpstrain.bench.faults import BATCH, Injected, _summarize, format_tables
+from bpstrain.bench.faults import MODELS, Injected, _summarize, format_tables
+
+BATCH = MODELS["digits_cnn"]
 
 
 def _steps(system, rank, points):
