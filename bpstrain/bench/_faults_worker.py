@@ -164,7 +164,8 @@ def run_torchft(args, train, test) -> dict:
         pg=pg,
         # The state goes to a recovering group over the process group: torchft's HTTP
         # transport advertises the machine's hostname, which the emulated hosts share.
-        checkpoint_transport=PGTransport(pg, timeout=datetime.timedelta(seconds=30), device=torch.device("cpu")),
+        checkpoint_transport=PGTransport(pg, timeout=datetime.timedelta(seconds=max(30.0, args.timeout)),
+                                         device=torch.device("cpu")),
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["optimizer"])),
         state_dict=lambda: {"model": model.state_dict(), "optimizer": inner.state_dict()},
         min_replica_size=1, timeout=datetime.timedelta(seconds=max(30.0, args.timeout)),

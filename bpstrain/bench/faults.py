@@ -21,7 +21,8 @@ bpstrain runs with ``comm.fault_tolerance`` and ``comm.timeout`` = ``--timeout``
 workers commit a ``TorchState`` after every step; a worker process that exits non-zero
 is started again (what ``python -m bpstrain.launch --max-restarts`` does on one host)
 and rejoins at the next step. torchrun runs one agent per worker host (c10d rendezvous,
-``--max-restarts``), DDP over gloo with its timeout = ``--timeout``, and a checkpoint by
+``--max-restarts``), DDP over gloo with its timeout = ``--timeout`` (``--collective-timeout``
+where a step's allreduce takes longer), and a checkpoint by
 rank 0 every ``--checkpoint-every`` steps: a failure restarts every worker from it.
 torchft (``pip install torchft==0.2.0``) runs one replica group per worker host and its
 lighthouse on the scheduler's host (heartbeat timeout ``--timeout``), with
@@ -81,6 +82,9 @@ class Plan:
     stop_s: float = 8.0
     cut_s: float = 8.0
     timeout: float = 5.0
+    # torchrun's and torchft's gloo timeout: how long one collective may take (0 = timeout).
+    # A step's allreduce must fit in it: VGG-16's 537 MB take longer than 5 s here.
+    collective_timeout: float = 0.0
     model: str = "digits_cnn"
     checkpoint_every: int = 100
     systems: Sequence[str] = ("bpstrain", "torchrun", "torchft")
@@ -224,6 +228,10 @@ def _continue(pid: int) -> None:
         pass
 
 
+def _collective_timeout(plan: Plan) -> float:
+    return plan.collective_timeout or plan.timeout
+
+
 def _model_args(plan: Plan) -> list[str]:
     return ["--model", plan.model, "--batch", str(MODELS[plan.model])]
 
@@ -262,7 +270,8 @@ def _run_torchrun(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, fa
                 "--local-addr", hosts.addr(i), "--max-restarts", "100",
                 "--monitor-interval", "0.5", "-m", _WORKER, "--system", "torchrun", "--steps", str(plan.steps),
                 "--progress", progress, "--checkpoint", checkpoint,
-                "--checkpoint-every", str(plan.checkpoint_every), "--timeout", str(plan.timeout), *_model_args(plan)]
+                "--checkpoint-every", str(plan.checkpoint_every), "--timeout", str(_collective_timeout(plan)),
+                *_model_args(plan)]
         run.start(f"worker{i}", i, argv, _jobs.child_env({"GLOO_SOCKET_IFNAME": hosts.ifname}))
     _supervise(plan, run, restart=None)
 
@@ -278,7 +287,7 @@ def _run_torchft(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, fau
         f"heartbeat_timeout_ms={int(plan.timeout * 1000)})\ntime.sleep(1e9)")], _jobs.child_env({}))
     for i in range(plan.workers):
         argv = [sys.executable, "-m", _WORKER, "--system", "torchft", "--rank", str(i), "--host", hosts.addr(i),
-                "--steps", str(plan.steps), "--progress", progress, "--timeout", str(plan.timeout),
+                "--steps", str(plan.steps), "--progress", progress, "--timeout", str(_collective_timeout(plan)),
                 *_model_args(plan)]
         run.start(f"worker{i}", i, argv, _jobs.child_env({
             "GLOO_SOCKET_IFNAME": hosts.ifname, "TORCHFT_LIGHTHOUSE": f"http://{hosts.addr(lighthouse_host)}:{port}"}))
@@ -420,6 +429,8 @@ def run_system(plan: Plan, cluster: emulated.EmulatedCluster, hosts: EmulatedHos
             done.set()
             if faults:
                 injector.join()
+            with open(os.path.join(workdir, "events.json"), "w") as f:  # with --keep: to summarize again
+                json.dump([dataclasses.asdict(e) for e in injected], f)
             time.sleep(0.5)
             run.kill_all()
             for i in range(cluster.num_hosts):  # a cut link must not outlive its run
@@ -471,7 +482,8 @@ def format_tables(summaries: Sequence[dict]) -> str:
         clean = next((s for s in summaries if s["system"] == system and not s["faults"]), None)
         hit = next((s for s in summaries if s["system"] == system and s["faults"]), None)
         if clean and hit:
-            lines.append(f"| {system} | {clean['samples_per_s']:.0f} | {hit['samples_per_s']:.0f} | "
+            rate = lambda v: f"{v:.0f}" if v >= 100 else f"{v:.2f}"  # noqa: E731 (VGG-16: a few per second)
+            lines.append(f"| {system} | {rate(clean['samples_per_s'])} | {rate(hit['samples_per_s'])} | "
                          f"{hit['samples_per_s'] / clean['samples_per_s']:.2f} | {clean['accuracy']:.3f} | "
                          f"{hit['accuracy']:.3f} |")
     return "\n".join(lines)
@@ -490,7 +502,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--stop-s", type=float, default=d.stop_s)
     p.add_argument("--cut-s", type=float, default=d.cut_s)
     p.add_argument("--timeout", type=float, default=d.timeout,
-                   help="bpstrain's comm.timeout and gloo's timeout (s)")
+                   help="detection: bpstrain's comm.timeout, torchft's heartbeat timeout, and gloo's timeout (s)")
+    p.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
+                   help="torchrun's and torchft's gloo timeout when it must be longer than --timeout "
+                        "(a big model's allreduce; 0 = --timeout)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="torchrun")
     p.add_argument("--model", default=d.model, choices=sorted(MODELS),
                    help="what the workers train: the digits CNN, or VGG-16 (134 M parameters) on the same digits")
@@ -506,7 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = Plan(workers=args.workers, servers=args.servers, rate_mbit=args.rate_mbit, steps=args.steps,
                 events=args.events, every=args.every, stop_s=args.stop_s, cut_s=args.cut_s,
                 timeout=args.timeout, checkpoint_every=args.checkpoint_every, systems=args.systems,
-                keep=args.keep, model=args.model, run_timeout=args.run_timeout)
+                keep=args.keep, model=args.model, run_timeout=args.run_timeout,
+                collective_timeout=args.collective_timeout)
     summaries = run(plan)
     if args.json:
         with open(args.json, "w") as f:

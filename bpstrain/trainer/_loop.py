@@ -241,11 +241,10 @@ def _fit_torch(trainer, module, data: Any, val_data: Any, watch) -> History:
             train_dl.sampler.load_state_dict(trainer.resume_sampler)
             trainer.resume_sampler = None
             _set_epoch_length(trainer, train_dl, passes, start)
-        elif elastic:  # dealt over the workers in the job now
-            _set_epoch_length(trainer, train_dl, passes, 0)
-            # A mid-epoch resume: the same shuffled order, less the batches already trained.
-            train_dl.sampler.skip = start * train_dl.batch_size
         else:
+            if elastic:  # dealt over the workers in the job now
+                _set_epoch_length(trainer, train_dl, passes, 0)
+            # A mid-epoch resume: the same shuffled order, less the batches already trained.
             train_dl.sampler.skip = start * train_dl.batch_size
         fire(callbacks, "train_epoch_start", trainer, module, epoch=epoch, logs=trainer.logs)
         module.train()
