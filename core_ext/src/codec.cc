@@ -8,6 +8,8 @@
 #include <numeric>
 #include <thread>
 
+#include "common.h"
+
 namespace bps {
 namespace codec {
 
@@ -297,9 +299,9 @@ void EncodeTensor(const TensorLayout& t, const float* x, size_t numel, uint8_t* 
   std::atomic<size_t> next{0};
   std::vector<std::thread> pool;
   for (size_t w = 0; w + 1 < threads; ++w)
-    pool.emplace_back([&] {
+    pool.push_back(StartThread([&] {
       for (size_t i; (i = next.fetch_add(1)) < jobs.size();) run(i);
-    });
+    }));
   for (size_t i; (i = next.fetch_add(1)) < jobs.size();) run(i);
   for (auto& th : pool) th.join();
 }

@@ -51,6 +51,15 @@ void LogMessage(LogLevel level, const std::string& msg) {
   std::fflush(stderr);
 }
 
+AsyncSignalsBlocked::AsyncSignalsBlocked() {
+  sigset_t block;
+  sigemptyset(&block);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM}) sigaddset(&block, sig);
+  pthread_sigmask(SIG_BLOCK, &block, &old_);
+}
+
+AsyncSignalsBlocked::~AsyncSignalsBlocked() { pthread_sigmask(SIG_SETMASK, &old_, nullptr); }
+
 std::string ShapeString(const std::vector<int64_t>& shape) {
   // Plain std::to_string, no iostreams: an ostringstream formats through the process's
   // std::locale, and where the extension's libstdc++ headers differ from the runtime

@@ -10,7 +10,11 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
+
+#include <signal.h>
 
 namespace bps {
 
@@ -72,5 +76,29 @@ inline double SecondsSince(Clock::time_point t) {
 }
 
 std::string ShapeString(const std::vector<int64_t>& shape);
+
+// Blocks the asynchronous signals (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2,
+// SIGALRM) in the calling thread while alive and restores the mask after.
+class AsyncSignalsBlocked {
+ public:
+  AsyncSignalsBlocked();
+  ~AsyncSignalsBlocked();
+  AsyncSignalsBlocked(const AsyncSignalsBlocked&) = delete;
+  AsyncSignalsBlocked& operator=(const AsyncSignalsBlocked&) = delete;
+
+ private:
+  sigset_t old_;
+};
+
+// Every engine thread starts here. A process-directed signal goes to any thread that
+// does not block it; landing on an engine thread, CPython only sets a flag, and the main
+// thread, blocked in a wait, never runs its handler (a launcher's SIGUSR1 or SIGTERM, a
+// Ctrl-C). Threads started with these signals blocked leave them all to Python's thread;
+// threads they start inherit the mask.
+template <class F>
+std::thread StartThread(F&& fn) {
+  AsyncSignalsBlocked blocked;
+  return std::thread(std::forward<F>(fn));
+}
 
 }  // namespace bps

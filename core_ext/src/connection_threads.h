@@ -34,7 +34,7 @@ class ConnectionThreads {
     const uint64_t id = next_++;
     try {
       // The new thread's last step takes mu_, so it cannot finish before it is listed.
-      running_.emplace(id, Entry{std::thread([this, id, fn = std::move(fn)] {
+      running_.emplace(id, Entry{StartThread([this, id, fn = std::move(fn)] {
                                    try {
                                      fn();
                                    } catch (const std::exception& e) {

@@ -131,8 +131,8 @@ Welcome ControlClient::Connect(Transport& transport, const std::string& endpoint
   outbox_ = std::make_unique<Outbox>(conn_.get());
   on_frame_ = std::move(on_frame);
   on_lost_ = std::move(on_lost);
-  reader_ = std::thread([this] { ReadLoop(); });
-  heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+  reader_ = StartThread([this] { ReadLoop(); });
+  heartbeat_ = StartThread([this] { HeartbeatLoop(); });
   return wel;
 }
 

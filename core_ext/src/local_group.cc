@@ -158,7 +158,7 @@ LocalGroup::LocalGroup(const Layout& layout, Hooks hooks, std::vector<int> cpus)
   std::string name = "/bps" + Hex(layout.job_id) + "h" + std::to_string(layout.host) + "bell";
   bell_map_ = MapShared(name, kLine * 2, layout.local_size, 0, DType::kUInt8);
   bell_ = reinterpret_cast<std::atomic<uint32_t>*>(static_cast<char*>(bell_map_) + kLine);
-  thread_ = std::thread([this] { Loop(); });
+  thread_ = StartThread([this] { Loop(); });
 }
 
 LocalGroup::~LocalGroup() {

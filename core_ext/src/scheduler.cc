@@ -38,8 +38,8 @@ Scheduler::~Scheduler() { Stop(); }
 
 void Scheduler::Start() {
   start_time_ = Clock::now();
-  accept_thread_ = std::thread([this] { AcceptLoop(); });
-  monitor_thread_ = std::thread([this] { MonitorLoop(); });
+  accept_thread_ = StartThread([this] { AcceptLoop(); });
+  monitor_thread_ = StartThread([this] { MonitorLoop(); });
 }
 
 void Scheduler::Stop() {

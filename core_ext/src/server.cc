@@ -37,7 +37,7 @@ Server::Server(const ServerOptions& opts)
 
 Server::~Server() { Stop(); }
 
-void Server::Start() { main_thread_ = std::thread([this] { Run(); }); }
+void Server::Start() { main_thread_ = StartThread([this] { Run(); }); }
 
 void Server::Run() {
   SetupEngineThread("bps-srv-main", cpus_);
@@ -76,9 +76,9 @@ void Server::Run() {
     et->handler = opts_.handler ? opts_.handler(pool_) : std::make_unique<SumHandler>(pool_);
     et->params = std::make_unique<ParamStore>(pool_);
     et->num_workers = num_workers_;
-    et->thread = std::thread([this, et, i] { EngineLoop(et, i); });
+    et->thread = StartThread([this, et, i] { EngineLoop(et, i); });
   }
-  accept_thread_ = std::thread([this] { AcceptLoop(); });
+  accept_thread_ = StartThread([this] { AcceptLoop(); });
 }
 
 void Server::OnControl(const FrameHeader& h, const std::string& meta) {

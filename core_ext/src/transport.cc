@@ -3,7 +3,7 @@
 
 namespace bps {
 
-Outbox::Outbox(Link* link) : link_(link) { writer_ = std::thread([this] { WriterLoop(); }); }
+Outbox::Outbox(Link* link) : link_(link) { writer_ = StartThread([this] { WriterLoop(); }); }
 
 Outbox::~Outbox() { Close(); }
 

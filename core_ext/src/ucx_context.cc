@@ -127,7 +127,7 @@ UcxContext::UcxContext(const std::string& tls) : api(UcpApi::Get()) {
   int efd = -1;
   st = api.worker_get_efd(worker_, &efd);
   if (st != UCS_OK) throw Error(Error::kConfig, "transport ucx: no wakeup descriptor: " + Why(api, st));
-  thread_ = std::thread([this, efd] { ProgressLoop(efd); });
+  thread_ = StartThread([this, efd] { ProgressLoop(efd); });
 }
 
 void UcxContext::ProgressLoop(int efd) {

@@ -48,7 +48,7 @@ Worker::Worker(const WorkerOptions& opts) : opts_(opts), transport_(Transport::G
 
 Worker::~Worker() { Shutdown(); }
 
-void Worker::Start() { rendezvous_thread_ = std::thread([this] { Rendezvous(); }); }
+void Worker::Start() { rendezvous_thread_ = StartThread([this] { Rendezvous(); }); }
 
 void Worker::Rendezvous() {
   bool joined = false;  // welcomed: a server that closes on us now may be leaving a failed job
@@ -113,8 +113,8 @@ void Worker::Rendezvous() {
     conns_ = std::move(conns);
     for (auto& dc : conns_) {
       DataConn* p = dc.get();
-      p->sender = std::thread([this, p] { SenderLoop(p); });
-      p->receiver = std::thread([this, p] { ReceiverLoop(p); });
+      p->sender = StartThread([this, p] { SenderLoop(p); });
+      p->receiver = StartThread([this, p] { ReceiverLoop(p); });
     }
     if (UseHierarchy()) StartLocalGroup(w.job_id);
     if (joining_) {
