@@ -4,6 +4,7 @@ others' next admission, and from then on its gradients count (the scheduler's
 JoinLaterLocked/TryAdmitLocked, the membership notice's size, the servers' and workers'
 OnMembership). Over TCP, in-process and UCX, with data-connection credentials."""
 
+import contextlib
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,10 +33,22 @@ def step(workers):
         return list(pool.map(one, workers))
 
 
-def test_new_workers_join_a_full_job_up_to_max_workers_and_their_gradients_count():
-    c = InProcessCluster(2, 1, fault_tolerance=True, max_workers=4, secret="scale-up secret")
+@contextlib.contextmanager
+def growing_job(**kwargs):
+    """A fault-tolerant in-process job of 2 workers and 1 server, and the list the test
+    puts its joiners in; all shut down when the test ends."""
+    c = InProcessCluster(2, 1, fault_tolerance=True, **kwargs)
     new = []
     try:
+        yield c, new
+    finally:
+        for w in new:
+            w.shutdown()
+        c.close()
+
+
+def test_new_workers_join_a_full_job_up_to_max_workers_and_their_gradients_count():
+    with growing_job(max_workers=4, secret="scale-up secret") as (c, new):
         res = c.run_all(lambda r, w: push_pull(w, "g", np.full(4, r + 1.0, np.float32)))
         assert all(np.array_equal(x, np.full(4, 3.0, np.float32)) for x in res)
         new.append(joiner(c))
@@ -69,16 +82,10 @@ def test_new_workers_join_a_full_job_up_to_max_workers_and_their_gradients_count
             while not late.wait_ready(0.1):
                 pass
         late.shutdown()
-    finally:
-        for w in new:
-            w.shutdown()
-        c.close()
 
 
 def test_a_rank_a_joiner_skipped_is_a_free_place_and_the_job_counts_only_who_is_in():
-    c = InProcessCluster(2, 1, fault_tolerance=True, max_workers=4)
-    new = []
-    try:
+    with growing_job(max_workers=4) as (c, new):
         new.append(joiner(c, rank_hint=3))  # skips rank 2
         admit_until_joined(c.workers, [3])
         assert new[0].wait_ready(10)
@@ -97,10 +104,6 @@ def test_a_rank_a_joiner_skipped_is_a_free_place_and_the_job_counts_only_who_is_
         assert all((w.membership()["live_size"], list(w.membership()["departed"])) == (4, []) for w in everyone)
         for g, _h, _b in step(everyone):
             assert np.array_equal(g, np.full(4, 10.0, np.float32))
-    finally:
-        for w in new:
-            w.shutdown()
-        c.close()
 
 
 def test_a_new_rank_that_pushes_before_its_admission_is_refused_and_nothing_merged():

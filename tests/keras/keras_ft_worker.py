@@ -21,6 +21,16 @@ def rank_data(rank):
     return x, (x @ np.array([1.0, -2.0, 0.5, 3.0], "float32"))[:, None]
 
 
+def report_and_shut_down(model, **extra):
+    """Prints ``FT_RESULT {json}``: ``extra``, the job's size, the final kernel and how many
+    steps the optimizer took; then leaves the job."""
+    print("FT_RESULT " + json.dumps({**extra, "size": bps.size(),
+                                     "kernel": keras.ops.convert_to_numpy(model.layers[0].kernel).ravel().tolist(),
+                                     "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations))}),
+          flush=True)
+    bps.shutdown()
+
+
 class KillAt(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if bps.rank() == 2 and batch == AT:
@@ -34,11 +44,7 @@ def main():
     model.compile(optimizer=bps.DistributedOptimizer(keras.optimizers.SGD(LR)), loss="mse")
     x, y = rank_data(me)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[KillAt()])
-    print("FT_RESULT " + json.dumps({"rank": me, "size": bps.size(),
-                                     "kernel": keras.ops.convert_to_numpy(model.layers[0].kernel).ravel().tolist(),
-                                     "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations))}),
-          flush=True)
-    bps.shutdown()
+    report_and_shut_down(model, rank=me)
 
 
 if __name__ == "__main__":

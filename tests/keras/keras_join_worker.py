@@ -4,7 +4,6 @@ kills itself (SIGKILL) when batch AT of epoch 0 begins, the launcher (``--max-re
 1``) starts it again, and it joins at a commit (the others wait at batch AT + 2's until
 it has) with the others' weights, optimizer variables and position. Every worker prints ``FT_RESULT {json}``."""
 
-import json
 import os
 import signal
 import time
@@ -14,7 +13,7 @@ import numpy as np
 
 import bpstrain.keras as bps
 from bpstrain import engine
-from keras_ft_worker import AT, BATCH, LR, rank_data
+from keras_ft_worker import AT, BATCH, LR, rank_data, report_and_shut_down
 
 EPOCHS = 2
 
@@ -50,12 +49,7 @@ def main():
     x, y = rank_data(me)
     bps.elastic.fit(state, model, x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
                     callbacks=[bps.elastic.CommitStateCallback(state), Fault(state)])
-    print("FT_RESULT " + json.dumps({"rank": me, "size": bps.size(), "start": start,
-                                     "restarted": os.environ.get("BPSTRAIN_RESTART"),
-                                     "kernel": keras.ops.convert_to_numpy(model.layers[0].kernel).ravel().tolist(),
-                                     "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations))}),
-          flush=True)
-    bps.shutdown()
+    report_and_shut_down(model, rank=me, start=start, restarted=os.environ.get("BPSTRAIN_RESTART"))
 
 
 if __name__ == "__main__":
