@@ -21,6 +21,7 @@ optimizer variables (slots and the step counter) and position (``epoch``, ``batc
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from typing import Any, Optional
 
@@ -51,13 +52,17 @@ class KerasState:
     def sync(self) -> None:
         """Makes every rank's state the root's: the lowest rank that was in the job
         before the newest join (rank 0 at the start)."""
+        self._sync(contextlib.nullcontext())
+
+    def _sync(self, variables_scope) -> None:
         root = engine.sync_root() if engine.is_initialized() else 0
-        broadcast_variables(self.model.weights, root, prefix="elastic.model")
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None:
-            if not optimizer.built:  # a fresh process: its slots exist from here on
-                optimizer.build(self.model.trainable_variables)
-            broadcast_variables(optimizer.variables, root, prefix="elastic.optimizer")
+        with variables_scope:
+            broadcast_variables(self.model.weights, root, prefix="elastic.model")
+            optimizer = getattr(self.model, "optimizer", None)
+            if optimizer is not None:
+                if not optimizer.built:  # a fresh process: its slots exist from here on
+                    optimizer.build(self.model.trainable_variables)
+                broadcast_variables(optimizer.variables, root, prefix="elastic.optimizer")
         mine = pickle.dumps({key: getattr(self, key) for key in self._extras}) \
             if engine.rank() == root else None
         for key, value in pickle.loads(engine.broadcast_bytes(mine, root, "elastic.state")).items():
@@ -69,7 +74,9 @@ class KerasState:
         join, then sends them the state. Returns the ranks that joined."""
         joined = engine.admit()
         if joined:
-            self.sync()
+            # The workers in the job hold the root's variables already: only the
+            # joiners download them.
+            self._sync(engine.to_joiners())
         return joined
 
 

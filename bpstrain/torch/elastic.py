@@ -24,6 +24,8 @@ Horovod's ``hvd.elastic.ElasticSampler`` has the same interface.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from typing import Iterator, List
 
@@ -195,19 +197,25 @@ class TorchState:
         waiting to join, then sends them the state. Returns the ranks that joined."""
         joined = engine.admit()
         if joined:
-            self.sync()
+            # The workers in the job hold the root's model and optimizer already: only
+            # the joiners download them.
+            self._sync(engine.to_joiners())
         return joined
 
     def sync(self) -> None:
         """Makes every rank's state the root's: the lowest rank that was in the job
         before the newest join (rank 0 at the start)."""
+        self._sync(contextlib.nullcontext())
+
+    def _sync(self, tensors_scope) -> None:
         from bpstrain.torch import functions
 
         root = self._root()
-        if self.model is not None:
-            functions.broadcast_parameters(self.model.state_dict(), root, prefix="elastic.model")
-        if self.optimizer is not None:
-            functions.broadcast_optimizer_state(self.optimizer, root, prefix="elastic.optimizer")
+        with tensors_scope:
+            if self.model is not None:
+                functions.broadcast_parameters(self.model.state_dict(), root, prefix="elastic.model")
+            if self.optimizer is not None:
+                functions.broadcast_optimizer_state(self.optimizer, root, prefix="elastic.optimizer")
         extras = {key: getattr(self, key) for key in self._extras}
         sampler = self.sampler.state_dict() if self.sampler is not None else None
         extras, sampler = functions.broadcast_object((extras, sampler), root, name="elastic.state")

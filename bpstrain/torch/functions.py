@@ -56,6 +56,7 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str = None) -> A
     """Returns ``root_rank``'s ``obj`` (pickled) on every rank.
 
     Tensors inside ``obj`` are loaded on CPU when their device does not exist here.
+    Inside :func:`bpstrain.engine.to_joiners`, the ranks that keep their own get ``obj`` back.
     """
     name = name or "broadcast_object"
     payload = None
@@ -64,7 +65,7 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str = None) -> A
         torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
         payload = buffer.getvalue()
     payload = engine.broadcast_bytes(payload, root_rank, name)
-    if ops.rank() == root_rank:
+    if ops.rank() == root_rank or payload is None:  # (None: a rank keeping its own, engine.to_joiners)
         return obj
     location = None if torch.cuda.is_available() else "cpu"
     return torch.load(io.BytesIO(payload), map_location=location, weights_only=False)
@@ -99,7 +100,8 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0,
                     entry[key] = ("value", value)
             summary.append((index, entry))
     options = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    options, summary = broadcast_object((options, summary), root_rank, f"{prefix}.meta")
+    with engine.to_all():  # only the root's summary is whole (engine.to_joiners)
+        options, summary = broadcast_object((options, summary), root_rank, f"{prefix}.meta")
     if len(options) != len(optimizer.param_groups):
         raise ValueError("broadcast_optimizer_state needs the same parameter groups on every rank. "
                          f"Received: {len(optimizer.param_groups)} groups here, {len(options)} on "

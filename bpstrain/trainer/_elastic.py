@@ -19,6 +19,7 @@ servers hold no model, and the state of the workers in the job is whole.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, Optional
 
 from bpstrain import engine
@@ -65,20 +66,26 @@ def join(trainer, sampler: Any) -> Dict[str, Any]:
     return state
 
 
-def _sync(trainer, position: Optional[Dict[str, Any]], sampler: Any) -> Dict[str, Any]:
-    """The root's state on every rank; every rank deals the unconsumed samples again."""
+def _sync(trainer, position: Optional[Dict[str, Any]], sampler: Any) -> Optional[Dict[str, Any]]:
+    """The root's position on every rank, which deals the unconsumed samples again, and
+    its checkpoint state (with ``position``) on the joiners: the others hold it already
+    (``engine.to_joiners``), and get None."""
     root = engine.sync_root()
     state = None
+    if trainer.rank == root:
+        position = dict(position, global_step=trainer.global_step, progress_step=trainer.progress_step,
+                        logs=dict(trainer.logs), sum_keys=sorted(trainer.train_sums or {}),
+                        sampler=sampler.state_dict())
+    position = trainer.comm.broadcast_object(position, STATE_NAME + ".position", root=root)
+    sampler.load_state_dict(position["sampler"])
     if trainer.rank == root:
         logs, trainer.logs = trainer.logs, {}  # the epoch is not over: not in the history
         try:
             state = trainer.checkpoint_state()
         finally:
             trainer.logs = logs
-        state["position"] = dict(position, global_step=trainer.global_step,
-                                 progress_step=trainer.progress_step, logs=dict(trainer.logs),
-                                 sum_keys=sorted(trainer.train_sums or {}),
-                                 sampler=sampler.state_dict())
-    state = trainer.comm.broadcast_object(state, STATE_NAME, root=root)
-    sampler.load_state_dict(state["position"]["sampler"])
+    with engine.to_joiners() if trainer.comm.distributed else contextlib.nullcontext():
+        state = trainer.comm.broadcast_object(state, STATE_NAME, root=root)
+    if state is not None:
+        state["position"] = position
     return state

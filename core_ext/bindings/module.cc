@@ -622,7 +622,7 @@ PYBIND11_MODULE(_core, m) {
           [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
              py::buffer input, py::buffer output, Op op, int root, int priority, int participants,
              const std::string& device, const std::string& layout, int64_t partition_bytes, bool pull_only,
-             int param, double lr, const std::string& server_optimizer) {
+             int param, double lr, const std::string& server_optimizer, bool keep_own) {
             BufferView in = View(input, false, "input"), out = View(output, true, "output");
             OpRequest r = MakeRequest(name, dtype, std::move(shape), op, root, priority, participants, device,
                                       layout, in, out);
@@ -630,6 +630,7 @@ PYBIND11_MODULE(_core, m) {
               throw Error(Error::kConfig, "partition_bytes must be >= 0. Received: " + std::to_string(partition_bytes));
             r.partition_bytes = partition_bytes;
             r.pull_only = pull_only;
+            r.keep_own = keep_own;
             r.param = param;
             r.lr = lr;
             r.server_optimizer = server_optimizer;
@@ -640,14 +641,16 @@ PYBIND11_MODULE(_core, m) {
           py::arg("op"), py::arg("root") = 0, py::arg("priority") = 0, py::arg("participants") = 0,
           py::arg("device") = "cpu", py::arg("layout") = "", py::arg("partition_bytes") = 0,
           py::arg("pull_only") = false, py::arg("param") = 0, py::arg("lr") = 0.0,
-          py::arg("server_optimizer") = "",
+          py::arg("server_optimizer") = "", py::arg("keep_own") = false,
           "Queues one operation (`op`: Op.SUM, Op.AVERAGE or Op.BROADCAST); returns its handle.\n"
           "`device` and `layout` are compared across ranks with the shape and dtype;\n"
           "`partition_bytes` > 0 overrides the worker's partition size for this tensor; `pull_only`\n"
           "(k-of-n catch-up) takes an answered round's result without contributing (input unread).\n"
           "`param` (comm.consistency ssp/async): 1 = init, a broadcast the servers keep as the weights\n"
           "and step with `server_optimizer` ('sgd momentum=0.9', 'adam eps=1e-8', ...); 2 = update, an\n"
-          "Op.SUM push of the gradient answered with the weights, `lr` the step's learning rate.")
+          "Op.SUM push of the gradient answered with the weights, `lr` the step's learning rate.\n"
+          "`keep_own` (broadcasts): this worker holds the result already; it takes part in the round\n"
+          "but receives no bytes, and `output` gets its own `input`.")
       .def(
           "enqueue_at",
           [](Worker& w, const std::string& name, const std::string& dtype, std::vector<int64_t> shape,

@@ -34,6 +34,10 @@ struct OpRequest {
   // k-of-n catch-up: take the result of a round the other workers already completed,
   // contributing nothing (`input` is not read). See Worker::RoundsBehind.
   bool pull_only = false;
+  // A broadcast whose result this worker holds already: it takes part in the round but
+  // receives no bytes, and `output` gets its own `input`. Used when the workers that
+  // joined a job receive the state, which every other worker holds (engine.to_joiners).
+  bool keep_own = false;
   // Server-held weights (comm.consistency ssp/async; param_store.h): 1 = init, a
   // broadcast whose result the servers keep as the weights and step with
   // `server_optimizer`; 2 = update, an Op::kSum push of the gradient answered with the

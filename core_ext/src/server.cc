@@ -388,6 +388,8 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
   p.len = static_cast<uint64_t>(h.arg);
   p.broadcast = h.flags & kFlagBroadcast;
   p.pull_only = empty && !p.broadcast;
+  p.keep_own = h.flags & kFlagKeepOwn;
+  if (p.keep_own && !p.broadcast) throw FrameError("push of key " + std::to_string(h.key) + " keeps its own result but is no broadcast");
   if (h.arg < 0 || p.len > kMaxBodyLen || p.len % DTypeSize(p.dtype) != 0 ||
       (empty ? h.body_len != 0 : h.body_len != p.len))
     throw FrameError("push of key " + std::to_string(h.key) + " has inconsistent lengths (arg=" +
@@ -526,11 +528,13 @@ void Server::Process(EngineThread* et, Task& t) {
   if (r.complete_at < r.expected && p.dtype == DType::kCompressed && pr.error.empty())
     pr.error = what() + ": k-of-n aggregation (comm.aggregate) does not combine with compression";
   pr.waiters.push_back(t.from);
+  pr.keep_own.push_back(p.keep_own);
   r.senders.push_back(p.sender);
   ++r.pushes;
   std::string error = pr.error.empty() ? et->handler->OnPush(r, p) : "";
   if (!error.empty()) {
     pr.waiters.pop_back();
+    pr.keep_own.pop_back();
     r.senders.pop_back();
     --r.pushes;
     if (r.pushes == 0) et->rounds.erase(it);
@@ -574,7 +578,7 @@ void Server::CompleteRound(EngineThread* et, std::map<std::pair<uint64_t, uint64
     meta = MetaWriter().I64(static_cast<int64_t>(newest)).bytes();
   }
   for (size_t i = 0; i < pr.waiters.size(); ++i) {
-    std::shared_ptr<Buffer> body = error.empty() ? et->handler->OnPull(r, r.senders[i]) : nullptr;
+    std::shared_ptr<Buffer> body = error.empty() && !pr.keep_own[i] ? et->handler->OnPull(r, r.senders[i]) : nullptr;
     reply.body_len = body ? r.len : 0;
     pr.waiters[i]->Reply(reply, meta, std::move(body));
   }

@@ -87,6 +87,7 @@ class Server {
     Clock::time_point started = Clock::now();
     std::string error;  // set when the pushes disagree: every waiter gets it at the end
     std::vector<std::shared_ptr<Conn>> waiters;  // in push order
+    std::vector<bool> keep_own;                  // per waiter: answered with no body
     ParamOp param = kParamNone;  // kParamInit: the result becomes the servers' weights
     std::string param_spec;
     ConsistencySpec consistency;

@@ -39,6 +39,7 @@ struct Push {
   uint64_t len = 0;        // bytes of the partition
   bool broadcast = false;  // the root's data is the result
   bool pull_only = false;  // a catch-up pull (k-of-n): no body, no contribution
+  bool keep_own = false;   // a broadcast whose sender holds the result: answered with no body
   int expected = 0;        // participating ranks: every one of them pushes this round
   int complete_at = 0;     // pushes that complete it (k-of-n aggregation; = expected)
   int sender = -1;         // the worker's rank

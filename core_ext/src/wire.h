@@ -67,6 +67,9 @@ constexpr int kJoinVersionShift = 32;
 enum PushFlags : uint16_t {
   kFlagBroadcast = 1,  // round is a broadcast: the root's data is the result
   kFlagEmpty = 2,      // no body (a broadcast non-root); `arg` still holds the length
+  kFlagKeepOwn = 4,    // a broadcast whose result this sender holds already (the root, or a
+                       // worker whose state equals the root's while joiners receive it):
+                       // answered with no body
 };
 
 // kPush meta: u32 participants (ranks whose pushes the round expects), then u32 root (a

@@ -255,6 +255,11 @@ int64_t Worker::Enqueue(const OpRequest& in) {
     group_->Submit(h->id, req, ticket);
     return h->id;
   }
+  if (req.keep_own && req.output != req.input) {
+    size_t bytes = DTypeSize(req.dtype);
+    for (int64_t d : req.shape) bytes *= static_cast<size_t>(d);
+    std::memmove(req.output, req.input, bytes);  // its result: nothing comes back
+  }
   std::lock_guard<std::mutex> lk(mu_);
   auto t = DeclareLocked(req, req.participants);
   auto h = NewHandleLocked(req);
@@ -431,7 +436,7 @@ void Worker::SenderLoop(DataConn* c) {
     h.arg = static_cast<int64_t>(body_len);
     h.sender = rank_;
     h.flags = static_cast<uint16_t>((static_cast<int>(req.dtype) << 8) | (bcast ? kFlagBroadcast : 0) |
-                                    (send_body ? 0 : kFlagEmpty));
+                                    (send_body ? 0 : kFlagEmpty) | (req.keep_own ? kFlagKeepOwn : 0));
     const uint32_t participants = static_cast<uint32_t>(req.participants ? req.participants : size_.load());
     try {
       MetaWriter meta;
@@ -517,7 +522,8 @@ void Worker::ReceiverLoop(DataConn* c) {
       if (ok && (sparse ? (req.param == kRowsPull   ? h.body_len != asked_rows
                            : req.param == kRowsPush ? h.body_len != 0
                                             : h.body_len % SparseRowBytes(req.sparse_row_width) != 0)
-                        : h.body_len != static_cast<uint64_t>(t.len)))
+                        : req.keep_own ? h.body_len != 0 && h.body_len != static_cast<uint64_t>(t.len)
+                                       : h.body_len != static_cast<uint64_t>(t.len)))
         throw FrameError("reply of " + std::to_string(h.body_len) + " bytes for a partition of " +
                          std::to_string(t.len) + (sparse ? " (sparse: not whole rows)" : ""));
       // The answer sums `h.arg` pushes: every participant's, or at least the k of k-of-n.
@@ -531,7 +537,7 @@ void Worker::ReceiverLoop(DataConn* c) {
                          std::to_string(participants) + " participants");
       char* dst = static_cast<char*>(req.output) + t.offset;
       std::string merged;
-      if (!ok || discard) {
+      if (!ok || discard || req.keep_own) {  // (a kept-own answer has a body only when recovered)
         c->link->DiscardBody(h.body_len);
       } else if (sparse) {
         // The worker keeps the answer, whatever its length, for TakeSparseResult; the

@@ -22,6 +22,9 @@ void Worker::CheckRequest(const OpRequest& req) const {
   if (req.dtype == DType::kCompressed && req.op != Op::kSum)
     throw Error(Error::kConfig, "compressed tensors are push_pulled with Op.SUM: the servers re-encode the "
                                 "sum, and the adapter averages after decoding");
+  if (req.keep_own && (req.op != Op::kBroadcast || req.pull_only || req.param || req.sparse_row_width))
+    throw Error(Error::kConfig, "tensor '" + req.name + "': keep_own is for broadcasts (a worker that holds "
+                                "the result already takes part without receiving it)");
   if (req.pull_only && (!KOfN() || req.op == Op::kBroadcast || req.participants != 0))
     throw Error(Error::kConfig, "tensor '" + req.name + "': a catch-up pull (pull_only) needs k-of-n "
                                 "aggregation (comm.aggregate k:<K>) and a sum or an average over the whole job");

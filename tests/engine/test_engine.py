@@ -89,6 +89,30 @@ def test_broadcast_is_exact_and_barrier_completes():
         np.testing.assert_array_equal(r, root_data)
 
 
+def test_a_broadcast_reaches_only_the_ranks_that_do_not_keep_their_own():
+    # The state sent to workers that joined (engine.to_joiners): the root and the ranks
+    # that hold the result already take part in the round but download nothing.
+    data = [np.random.default_rng(r).standard_normal(100) for r in range(3)]
+    with InProcessCluster(3, 2, partition_bytes=40) as c:
+        def job(rank, w):
+            keep = rank != 2
+            outs = []
+            for _ in range(2):  # a second round of the same name
+                before = w.stats()["bytes_pulled"]
+                out = np.full(100, np.nan)
+                wait(w, w.enqueue("bc", "float64", [100], data[rank], out, OP_BCAST, 1, keep_own=keep))
+                outs.append((out, w.stats()["bytes_pulled"] - before))
+            return outs
+
+        res = c.run_all(job)
+        with pytest.raises(ConfigError, match="keep_own is for broadcasts"):
+            c.workers[0].enqueue("s", "float64", [100], data[0], np.empty(100), OP_SUM, keep_own=True)
+    for rank, outs in enumerate(res):
+        for out, pulled in outs:
+            np.testing.assert_array_equal(out, data[rank] if rank != 2 else data[1])
+            assert pulled == (800 if rank == 2 else 0), (rank, pulled)
+
+
 def test_fast_worker_rounds_do_not_corrupt_slow_worker():
     # Worker 0 pushes rounds 0..4 of the same tensor back to back; worker 1 is slow.
     rounds = 5

@@ -195,6 +195,7 @@ def test_a_worker_that_sends_a_malformed_declare_is_dropped_and_named(meta, capf
     # a lost server's answer (kRecoveredAnswer) handed over in a job without fault tolerance
     dict(type=PUSH, arg=8, body=b"\0" * 8, flags=2 << 8,
          meta=struct.pack("<IIIIqII", 3, 0xFFFFFFFF, 3, 6, 3, 0, 0)),
+    dict(type=PUSH, arg=8, body=b"\0" * 8, flags=2 << 8 | 4),  # keeps its own result, but a sum
     dict(type=DECLARE),                                        # control frame on a data link
     dict(type=999),                                            # unknown type
 ])

@@ -133,7 +133,15 @@ def elastic(args):
                                    named_parameters=model.named_parameters())
     sampler = bps.ElasticSampler(range(SAMPLES), shuffle=True, seed=5)
     state = bps.elastic.TorchState(model, opt, sampler=sampler, step=0)
-    state.sync()
+    sync_pulled = []  # bytes this worker downloaded while the state was sent at the join
+
+    def pulled_in(call):
+        before = engine.stats()["bytes_pulled"]
+        joined = call()
+        if joined or engine.membership()["admitted_late"] and not sync_pulled:
+            sync_pulled.append(engine.stats()["bytes_pulled"] - before)
+
+    pulled_in(state.sync)
     first, restarted = state.step, os.environ.get("BPSTRAIN_RESTART")
     indices, it, times, started = [], iter(sampler), [], None
     while state.step < STEPS:
@@ -151,18 +159,18 @@ def elastic(args):
         sampler.record_batch(len(batch))
         indices.append(batch)
         state.step += 1
-        state.commit()
+        pulled_in(state.commit)
         deadline = time.monotonic() + 90
         while state.step == args.join_at and bps.size() < 3:  # it may have joined earlier
             assert time.monotonic() < deadline, "the restarted worker never joined"
             time.sleep(0.05)
-            state.commit()
+            pulled_in(state.commit)
         times.append(time.perf_counter() - t0)
     params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
     print("FT_RESULT " + json.dumps({"rank": me, "start": start, "end": [bps.rank(), bps.size()],
                                      "params": params, "events": events, "first_step": first,
                                      "restarted": restarted, "indices": indices, "times": times,
-                                     "syncs": state.syncs}), flush=True)
+                                     "syncs": state.syncs, "sync_pulled": sync_pulled}), flush=True)
     bps.shutdown()
     if started is not None:
         started.wait(60)

@@ -168,6 +168,10 @@ def test_a_killed_worker_is_restarted_and_rejoins_with_the_others_state(local_si
     for r in results[:2]:
         assert r["end"] == [r["rank"], 3] and r["syncs"] == 2, r  # at the start, at the join
         assert [(e["departed"], e["size"], e["joined"]) for e in r["events"]] == [([2], 2, []), ([], 3, [2])], r
+    # Only the joiner downloads the parameters and momentum buffers (engine.to_joiners):
+    # 5 + 5 float32 more than the others, who get only what every rank needs (pickles).
+    assert [len(r["sync_pulled"]) for r in results] == [1, 1, 1], results
+    assert results[0]["sync_pulled"] == results[1]["sync_pulled"] == [joiner["sync_pulled"][0] - 40], results
     # From the join on the three deal the samples nobody consumed yet (the last share
     # padded by wrapping around, as DistributedSampler): every sample of the epoch is
     # trained, with what the victim consumed before it was killed.
