@@ -12,6 +12,8 @@ Four ways to call it:
   with the environment passed through, like BytePS's ``bpslaunch``; with
   ``BYTEPS_LOCAL_SIZE=L`` and no ``BYTEPS_LOCAL_RANK`` it starts L local copies.
 
+* ``python -m bpstrain.launch --join FILE [-- CMD ...]`` adds a worker to a running job
+  started with fault tolerance (the launcher prints FILE; see :mod:`bpstrain.launch._join`).
 * ``python -m bpstrain.launch k8s --workers N --image IMAGE ... -- CMD ...`` prints
   Kubernetes manifests for the job (see :mod:`bpstrain.launch.k8s`).
 * ``srun ... python -m bpstrain.launch --slurm [--local-size L] -- CMD ...`` runs in
@@ -74,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
         "[--host HOST] [--port PORT] -- CMD ...\n"
         f"       DMLC_ROLE=scheduler|server {PROG}\n"
         f"       DMLC_ROLE=worker {PROG} CMD ...\n"
+        f"       {PROG} --join FILE [-- CMD ...]  (a worker more for a running job)\n"
         f"       srun ... {PROG} --slurm [--local-size L] -- CMD ...  (every task of a step)\n"
         f"       {PROG} k8s --workers N --image IMAGE ... -- CMD ...  (Kubernetes manifests)",
         description="Start a bpstrain job on this host (scheduler, servers and "
@@ -109,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="with BPSTRAIN_FAULT_TOLERANCE=1: start a worker that exits non-zero "
                         "again, R times in all; it rejoins the running job in its place at the "
                         "others' next state.commit() (default 0; this host's launcher only)")
+    parser.add_argument("--join", metavar="FILE",
+                        help="add a worker to a running job started with BPSTRAIN_FAULT_TOLERANCE=1: "
+                        "FILE is the join file its launcher printed (its workers see it as "
+                        "$BPSTRAIN_JOIN_FILE); CMD defaults to the job's. It takes a departed "
+                        "worker's place or, under BPSTRAIN_MAX_WORKERS, a new rank")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="CMD",
                         help="worker command, after --")
     return parser
@@ -157,6 +165,24 @@ def _run_slurm(args: argparse.Namespace, cmd: list[str], environ: Mapping[str, s
                             args.service_timeout)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _run_join(args: argparse.Namespace, cmd: list[str], environ: Mapping[str, str]) -> int:
+    from bpstrain.errors import ConfigError
+    from bpstrain.launch._join import read_join_file
+    for flag, value in (("--workers", args.workers), ("--servers", args.servers), ("--slurm", args.slurm or None),
+                        ("--local-size", args.local_size), ("--host", args.host), ("--port", args.port),
+                        ("--mixed", args.mixed), ("--max-restarts", args.max_restarts or None)):
+        if value is not None:
+            raise UsageError(f"{flag} does not apply with --join: the join file gives the job. "
+                             f"Received: {flag}={value}")
+    try:
+        job, job_cmd = read_join_file(args.join)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    env = {k: v for k, v in environ.items() if k not in ("DMLC_WORKER_ID", "BPSTRAIN_HOST_ID")}
+    env.update(job, DMLC_ROLE="worker")
+    return _run_worker(cmd or job_cmd, env)
 
 
 def _die_with_parent(environ: Mapping[str, str]) -> None:
@@ -234,6 +260,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     args = parser.parse_args(argv)  # SystemExit(2) with a message on bad flags.
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else list(args.cmd)
     try:
+        if args.join is not None:
+            return _run_join(args, cmd, environ)
         if args.slurm:
             return _run_slurm(args, cmd, environ)
         if args.workers is not None:

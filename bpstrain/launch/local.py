@@ -29,6 +29,7 @@ from typing import Mapping, Sequence, TextIO
 
 from bpstrain.errors import ConfigError, PeerError
 from bpstrain.roles import SERVE_NEXT_JOB_VAR
+from bpstrain.launch._join import JOIN_FILE_VAR, remove_join_file, write_join_file
 from bpstrain.launch._procs import (DEFAULT_GRACE, Child, exit_code, log, stop_children,
                                     supervise)
 
@@ -305,6 +306,7 @@ class LocalJob:
         if max_restarts < 0:
             raise ConfigError(f"max_restarts must be >= 0. Received: {max_restarts}")
         self.max_restarts, self.restarts = int(max_restarts), 0
+        self._worker_extra: dict[str, str] = {}  # what every worker's environment adds
 
     def _fault_tolerance(self) -> bool:
         """Whether the workers run with ``comm.fault_tolerance`` (BPSTRAIN_FAULT_TOLERANCE)."""
@@ -315,10 +317,24 @@ class LocalJob:
     def run(self) -> int:
         """Runs the job to completion; see :func:`launch_local` for the exit code."""
         try:
+            return self._run()
+        finally:
+            join_file = self._worker_extra.get(JOIN_FILE_VAR)
+            if join_file:
+                remove_join_file(Path(join_file))
+
+    def _run(self) -> int:
+        try:
             self.services.start()
+            tolerant = self._fault_tolerance()
+            if tolerant:  # more workers can join: say how
+                join_file = write_join_file(self.services.worker_env(0), self.cmd)
+                self._worker_extra[JOIN_FILE_VAR] = str(join_file)
+                log(f"fault tolerance: add a worker with `python -m bpstrain.launch --join {join_file}` "
+                    "(it joins at the others' next state.commit())")
             for i in range(self.services.workers):
-                self.workers.append(Child(f"worker {i}", self.cmd, self.services.worker_env(i),
-                                          self._events.put, self._output))
+                env = {**self.services.worker_env(i), **self._worker_extra}
+                self.workers.append(Child(f"worker {i}", self.cmd, env, self._events.put, self._output))
         except OSError as exc:
             log(f"could not start {exc.filename or self.cmd[0]!s}: {exc.strerror}. "
                 f"Received: cmd={self.cmd}")
@@ -328,7 +344,6 @@ class LocalJob:
             stop_children([*self.workers, *self.services.children], self.grace)
             raise
         try:
-            tolerant = self._fault_tolerance()
             if self.max_restarts and not tolerant:
                 log("--max-restarts needs comm.fault_tolerance (BPSTRAIN_FAULT_TOLERANCE=1): without it "
                     "a failed worker ends the job, so no worker is restarted")
@@ -339,7 +354,6 @@ class LocalJob:
                              restart=self._restart if tolerant else None)
         finally:
             self.services.stop()
-
 
     def _survivable(self) -> list:
         """Under fault tolerance: the scheduler, and the servers when there are several (a
@@ -353,7 +367,7 @@ class LocalJob:
             return None
         self.restarts += 1
         rank = self.workers.index(child)
-        env = {**self.services.worker_env(rank), "BPSTRAIN_RESTART": str(self.restarts)}
+        env = {**self.services.worker_env(rank), **self._worker_extra, "BPSTRAIN_RESTART": str(self.restarts)}
         again = Child(f"worker {rank}", self.cmd, env, self._events.put, self._output)
         self.workers[rank] = again
         return again

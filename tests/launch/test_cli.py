@@ -12,6 +12,7 @@ from launch_helpers import (FAKE_WORKER, LAUNCH_WITH_FAKE_ROLES, REPO, assert_al
 
 from bpstrain.errors import BpsError, ConfigError
 from bpstrain.launch._cli import main
+from bpstrain.launch._join import read_join_file, remove_join_file, write_join_file
 
 BAD_ARGS = [
     (["--workers", "x", "--", "true"], {}, r"--workers: expected an integer >= 1\. "
@@ -34,6 +35,9 @@ BAD_ARGS = [
     ([], {"DMLC_ROLE": "worker"}, r"DMLC_ROLE=worker needs the worker command"),
     (["true"], {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_PORT": "9000", "DMLC_NUM_WORKER": "two"},
      r"DMLC_NUM_WORKER must be an integer >= 1\. Received: DMLC_NUM_WORKER='two'"),
+    (["--join", "/nonexistent/join.json"], {}, r"no join file at '/nonexistent/join.json': the job is over"),
+    (["--join", "/etc/hostname"], {}, r"cannot read the join file '/etc/hostname'"),
+    (["--join", "j.json", "--workers", "2", "--", "true"], {}, r"--workers does not apply with --join"),
 ]
 
 
@@ -133,3 +137,36 @@ def test_worker_role_with_local_rank_execs_the_command_and_passes_its_exit_code(
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 6, proc
     assert proc.stdout == "passed-through 1\n"  # exec: no prefix, same process
+
+
+@pytest.mark.timeout(60)
+def test_join_runs_the_jobs_command_as_a_worker_without_a_process_identity(tmp_path):
+    # What a launched job with fault tolerance writes: the job, none of one process's identity.
+    job_env = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9", "DMLC_NUM_WORKER": "2",
+               "BPSTRAIN_SECRET": "s3cret", "BPSTRAIN_FAULT_TOLERANCE": "1", "DMLC_ROLE": "worker",
+               "DMLC_WORKER_ID": "1", "BYTEPS_LOCAL_RANK": "1", "BPSTRAIN_HOST_ID": "h1", "PATH": "/usr/bin"}
+    code = ("import os, sys; print(os.environ['DMLC_ROLE'], os.environ.get('DMLC_WORKER_ID'), "
+            "os.environ['BPSTRAIN_SECRET'], os.environ['BYTEPS_LOCAL_RANK'], os.environ.get('BPSTRAIN_HOST_ID'), "
+            "sys.argv[1:]); sys.exit(5)")
+    path = write_join_file(job_env, [sys.executable, "-c", code, "job-command"])
+    try:
+        assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+        env, cmd = read_join_file(str(path))
+        assert env == {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9", "DMLC_NUM_WORKER": "2",
+                       "BPSTRAIN_SECRET": "s3cret", "BPSTRAIN_FAULT_TOLERANCE": "1", "BYTEPS_LOCAL_RANK": "0"}
+        # The caller's own identity (a worker of the job starting another) is dropped too.
+        caller = subprocess_env(DMLC_WORKER_ID="0", BPSTRAIN_HOST_ID="h0")
+        run = [sys.executable, "-m", "bpstrain.launch", "--join", str(path)]
+        proc = subprocess.run(run, cwd=REPO, env=caller, capture_output=True, text=True, timeout=50)
+        assert proc.returncode == 5, proc
+        assert proc.stdout == "worker None s3cret 0 None ['job-command']\n", proc
+        own = subprocess.run(run + ["--", sys.executable, "-c", "print('own command')"], cwd=REPO, env=caller,
+                             capture_output=True, text=True, timeout=50)
+        assert own.returncode == 0 and own.stdout == "own command\n", own
+        not_a_join_file = tmp_path / "other.json"
+        not_a_join_file.write_text('{"env": {"X": 1}, "cmd": "python"}')
+        with pytest.raises(ConfigError, match="is not a join file"):
+            read_join_file(str(not_a_join_file))
+    finally:
+        remove_join_file(path)
+    assert not path.parent.exists()

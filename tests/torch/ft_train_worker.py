@@ -9,7 +9,8 @@ after every step, the launcher restarts the killed worker (``--max-restarts``), 
 joins at a commit (the others wait at step J's until it has) and goes on from their state.
 With ``--scale-up-at S`` as well, rank 0 starts one more worker by hand at step S (a
 ``DMLC_ROLE=worker`` process with no ``DMLC_WORKER_ID``: a new rank, under
-``BPSTRAIN_MAX_WORKERS``), which joins the same way. Each worker
+``BPSTRAIN_MAX_WORKERS``), or with ``--scale-up-with launcher`` through ``python -m
+bpstrain.launch --join $BPSTRAIN_JOIN_FILE``, which joins the same way. Each worker
 that finishes prints one ``FT_RESULT`` line: its final parameters, rank()/size() before
 and after, the membership events its callback saw and each step's seconds (the step of
 the fault holds the detection)."""
@@ -61,6 +62,7 @@ def main(argv=None):
     p.add_argument("--at", type=int, default=5)
     p.add_argument("--join-at", type=int, default=0)
     p.add_argument("--scale-up-at", type=int, default=0)
+    p.add_argument("--scale-up-with", choices=("env", "launcher"), default="env")
     args = p.parse_args(argv)
     if args.join_at:
         return elastic(args)
@@ -150,8 +152,12 @@ def elastic(args):
         if me == args.victim and state.step == args.at and not restarted:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.scale_up_at and me == 0 and state.step == args.scale_up_at:
-            env = {k: v for k, v in os.environ.items() if k not in ("DMLC_WORKER_ID", "BPSTRAIN_HOST_ID")}
-            started = subprocess.Popen([sys.executable, *sys.argv], env=env)
+            if args.scale_up_with == "launcher":  # the job's command, as its launcher says
+                started = subprocess.Popen([sys.executable, "-m", "bpstrain.launch", "--join",
+                                            os.environ["BPSTRAIN_JOIN_FILE"]])
+            else:
+                env = {k: v for k, v in os.environ.items() if k not in ("DMLC_WORKER_ID", "BPSTRAIN_HOST_ID")}
+                started = subprocess.Popen([sys.executable, *sys.argv], env=env)
         x, y = rank_data(me, state.step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()

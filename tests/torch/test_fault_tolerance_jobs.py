@@ -7,6 +7,7 @@ kill fails the job (the launcher's exit code)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -184,15 +185,18 @@ def test_a_killed_worker_is_restarted_and_rejoins_with_the_others_state(local_si
 
 
 @pytest.mark.timeout(180)
-def test_a_worker_started_by_hand_scales_the_job_up_and_gets_the_others_state():
+@pytest.mark.parametrize("started_with", ["env", "launcher"])
+def test_a_worker_started_later_scales_the_job_up_and_gets_the_others_state(started_with):
     """A job launched with 2 workers and BPSTRAIN_MAX_WORKERS=3: rank 0 starts a third
-    worker by hand (DMLC_ROLE=worker, no DMLC_WORKER_ID) at step AT; it gets rank 2, waits
+    worker at step AT, by hand (DMLC_ROLE=worker, no DMLC_WORKER_ID) or with ``python -m
+    bpstrain.launch --join $BPSTRAIN_JOIN_FILE`` (the job's command); it gets rank 2, waits
     in init() until a commit admits it, receives the parameters, momentum buffers, sampler
     position and step, and trains to the end. All three end with the parameters of a
     replay that averages 2 workers' gradients, then 3 from the step it joined at."""
     join_at = AT + 3
     proc, results, _ = launch("none", workers=2, env_extra={"BPSTRAIN_MAX_WORKERS": "3"},
-                              worker_args=["--join-at", str(join_at), "--scale-up-at", str(AT), "--victim", "-1"])
+                              worker_args=["--join-at", str(join_at), "--scale-up-at", str(AT), "--victim", "-1",
+                                           "--scale-up-with", started_with])
     out = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, out
     assert [r["rank"] for r in results] == [0, 1, 2], out
@@ -213,3 +217,5 @@ def test_a_worker_started_by_hand_scales_the_job_up_and_gets_the_others_state():
     assert len(after) - len(set(after)) < 3, after
     seen = {i for r in results for batch in r["indices"] for i in batch}
     assert seen == set(range(SAMPLES)), sorted(set(range(SAMPLES)) - seen)
+    join_files = re.findall(r"add a worker with `python -m bpstrain.launch --join (\S+)`", proc.stderr)
+    assert len(join_files) == 1 and not os.path.exists(join_files[0]), out  # said once, gone with the job
