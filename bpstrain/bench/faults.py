@@ -443,8 +443,16 @@ def run_system(plan: Plan, cluster: emulated.EmulatedCluster, hosts: EmulatedHos
                           MODELS[plan.model])
 
 
-def run(plan: Plan) -> list[dict]:
-    """Every system without faults, then with them; their summaries."""
+def _failure(exc: Exception) -> str:
+    """One line for a run that failed: what failed, and the last line of its log (the error)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0].rstrip(":") + (f": {lines[-1]}" if len(lines) > 1 else "")
+
+
+def run(plan: Plan, on_summary=None) -> list[dict]:
+    """Every system without faults, then with them; their summaries. A run that fails
+    (a peer's job that gives up) is a summary with ``failed``, and the others go on.
+    ``on_summary(summaries)`` is called after each run (to keep what is done)."""
     for kind in plan.events:
         if kind not in EVENTS:
             raise ValueError(f"events are {', '.join(EVENTS)}. Received: {kind!r}")
@@ -460,11 +468,18 @@ def run(plan: Plan) -> list[dict]:
         for system in plan.systems:
             for faults in (False, True):
                 _log(f"{system}, {'with' if faults else 'without'} faults")
-                summary = run_system(plan, cluster, hosts, system, faults)
+                try:
+                    summary = run_system(plan, cluster, hosts, system, faults)
+                except _jobs.BenchError as exc:
+                    summary = {"system": system, "events": [], "failed": _failure(exc)}
+                    _log(f"  failed: {summary['failed']}")
+                else:
+                    _log(f"  {summary['steps']} steps in {summary['seconds']:.1f} s, "
+                         f"accuracy {summary['accuracy']:.3f}")
                 summary["faults"] = faults
                 out.append(summary)
-                _log(f"  {summary['steps']} steps in {summary['seconds']:.1f} s, "
-                     f"accuracy {summary['accuracy']:.3f}")
+                if on_summary is not None:
+                    on_summary(out)
     return out
 
 
@@ -481,7 +496,10 @@ def format_tables(summaries: Sequence[dict]) -> str:
     for system in dict.fromkeys(s["system"] for s in summaries):
         clean = next((s for s in summaries if s["system"] == system and not s["faults"]), None)
         hit = next((s for s in summaries if s["system"] == system and s["faults"]), None)
-        if clean and hit:
+        if clean and hit and ("failed" in clean or "failed" in hit):
+            cells = [f"failed: {s['failed']}" if "failed" in s else "–" for s in (clean, hit)]
+            lines.append(f"| {system} | {cells[0]} | {cells[1]} | – | – | – |")
+        elif clean and hit:
             rate = lambda v: f"{v:.0f}" if v >= 100 else f"{v:.2f}"  # noqa: E731 (VGG-16: a few per second)
             lines.append(f"| {system} | {rate(clean['samples_per_s'])} | {rate(hit['samples_per_s'])} | "
                          f"{hit['samples_per_s'] / clean['samples_per_s']:.2f} | {clean['accuracy']:.3f} | "
@@ -523,11 +541,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timeout=args.timeout, checkpoint_every=args.checkpoint_every, systems=args.systems,
                 keep=args.keep, model=args.model, run_timeout=args.run_timeout,
                 collective_timeout=args.collective_timeout)
-    summaries = run(plan)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summaries, f, indent=1)
-    print(format_tables(summaries))
+    def keep(summaries):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summaries, f, indent=1)
+
+    print(format_tables(run(plan, on_summary=keep)))
     return 0
 
 

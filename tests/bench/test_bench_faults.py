@@ -70,6 +70,19 @@ def test_a_server_event_is_noticed_when_a_step_went_over_the_moved_partitions():
     assert [e["event"] for e in late["events"]] == ["server"]
 
 
+def test_a_run_that_failed_is_a_row_that_says_why_and_the_others_stay():
+    exc = faults._jobs.BenchError("worker2 failed (exit code 1):\nTraceback ...\n  raise X\n"
+                                  "torch.distributed.elastic.rendezvous.api.RendezvousClosedError\n")
+    reason = faults._failure(exc)
+    assert reason == "worker2 failed (exit code 1): torch.distributed.elastic.rendezvous.api.RendezvousClosedError"
+    ok = {"system": "bpstrain", "events": [], "samples_per_s": 100.0, "accuracy": 0.9}
+    table = format_tables([{**ok, "faults": False}, {**ok, "faults": True, "samples_per_s": 95.0},
+                           {**ok, "system": "torchrun", "faults": False},
+                           {"system": "torchrun", "events": [], "failed": reason, "faults": True}])
+    assert "| bpstrain | 100 | 95.00 | 0.95 |" in table, table
+    assert f"| torchrun | – | failed: {reason} | – | – | – |" in table, table
+
+
 def test_unknown_events_or_every_server_killed_are_refused():
     with pytest.raises(ValueError, match="events are kill, stop, cut, server"):
         faults.run(faults.Plan(events=["reboot"]))
