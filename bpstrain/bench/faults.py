@@ -3,10 +3,12 @@
     python -m bpstrain.bench.faults                          # 4 worker hosts, 2 server hosts, 800 Mbit/s
     python -m bpstrain.bench.faults --events kill stop cut --every 30 --steps 20000
     python -m bpstrain.bench.faults --systems bpstrain --json faults.json
+    python -m bpstrain.bench.faults --every 60 --duration 600 --steps 1000000   # ten minutes per run
 
 Every system trains the digits CNN (or ``--model vgg16``: VGG-16, 134 M parameters, on
 the digits upscaled, 4 samples per worker and step) (:mod:`bpstrain.bench._faults_worker`) for the same
-number of synchronous steps, once without faults and once under a scripted schedule
+number of synchronous steps (or, with ``--duration``, for the same time, after which a run
+is stopped and counted up to it), once without faults and once under a scripted schedule
 that injects one event ``--every`` seconds after the first step, and each next one
 ``--every`` seconds after training resumed from the last, into worker host 1, 2, 3, 1, ...:
 
@@ -90,6 +92,9 @@ class Plan:
     systems: Sequence[str] = ("bpstrain", "torchrun", "torchft")
     run_timeout: float = 900.0
     keep: str = ""
+    # Seconds of training per run, from its first step (0: until --steps): a goodput over
+    # a fixed time, as "one failure a minute for ten minutes"; --steps is then a ceiling.
+    duration: float = 0.0
 
 
 @dataclasses.dataclass
@@ -148,6 +153,17 @@ def _last_step_at(directory: str) -> float:
     times = [os.path.getmtime(p) for p in glob.glob(os.path.join(directory, "*"))
              if "-launch-" not in p and os.path.getsize(p) > 200]  # past the start note
     return max(times, default=0.0)
+
+
+def _first_step_at(directory: str) -> float:
+    """When the first step was completed (wall time), 0 before any."""
+    firsts = []
+    for path in glob.glob(os.path.join(directory, "*")):
+        with open(path) as f:
+            line = next((line for line in f if line.strip() and not line.startswith("# ")), None)
+        if line is not None:
+            firsts.append(float(line.split()[1]))
+    return min(firsts, default=0.0)
 
 
 def _training(directory: str, since: float) -> bool:
@@ -257,7 +273,7 @@ def _run_bpstrain(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, fa
         run.start(f"worker{i}", i, argv, _jobs.child_env({
             **common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i), "BYTEPS_LOCAL_RANK": "0",
             "BYTEPS_LOCAL_SIZE": "1", "DMLC_NODE_HOST": hosts.addr(i)}))
-    _supervise(plan, run, restart=lambda name, n: run.restart(name, BPSTRAIN_RESTART=str(n)))
+    _supervise(plan, run, progress, restart=lambda name, n: run.restart(name, BPSTRAIN_RESTART=str(n)))
 
 
 def _run_torchrun(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, faults: bool) -> None:
@@ -273,7 +289,7 @@ def _run_torchrun(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, fa
                 "--checkpoint-every", str(plan.checkpoint_every), "--timeout", str(_collective_timeout(plan)),
                 *_model_args(plan)]
         run.start(f"worker{i}", i, argv, _jobs.child_env({"GLOO_SOCKET_IFNAME": hosts.ifname}))
-    _supervise(plan, run, restart=None)
+    _supervise(plan, run, progress, restart=None)
 
 
 def _run_torchft(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, faults: bool) -> None:
@@ -291,16 +307,22 @@ def _run_torchft(plan: Plan, hosts: EmulatedHosts, run: _Run, progress: str, fau
                 *_model_args(plan)]
         run.start(f"worker{i}", i, argv, _jobs.child_env({
             "GLOO_SOCKET_IFNAME": hosts.ifname, "TORCHFT_LIGHTHOUSE": f"http://{hosts.addr(lighthouse_host)}:{port}"}))
-    _supervise(plan, run, restart=lambda name, n: run.restart(name, BPSTRAIN_RESTART=str(n)))
+    _supervise(plan, run, progress, restart=lambda name, n: run.restart(name, BPSTRAIN_RESTART=str(n)))
 
 
-def _supervise(plan: Plan, run: _Run, restart) -> None:
-    """Until every worker finished: restarts a bpstrain worker that failed (``restart``);
-    a torchrun agent restarts its own."""
+def _supervise(plan: Plan, run: _Run, progress: str, restart) -> None:
+    """Until every worker finished, or ``plan.duration`` seconds after the first step:
+    restarts a bpstrain worker that failed (``restart``); a torchrun agent restarts its own."""
     deadline = time.monotonic() + plan.run_timeout
     restarts = 0
     handled = set()
+    first = 0.0
     while True:
+        if plan.duration:
+            first = first or _first_step_at(progress)
+            if first and time.time() > first + plan.duration + 0.5:
+                _log(f"trained {plan.duration:.0f} s: stopped")
+                return
         workers = {n: p for n, p in run.procs.items() if n.startswith("worker")}
         codes = {n: p.poll() for n, p in workers.items()}
         if None not in codes.values():
@@ -337,6 +359,15 @@ def _read_progress(directory: str) -> tuple[list, list]:
                 step, t, workers = line.split()
                 steps.append((float(t), int(step), int(workers), name))
     return sorted(steps), sorted(notes)
+
+
+def _within(steps: list, notes: list, duration: float) -> tuple[list, list]:
+    """The steps and notes of the first ``duration`` seconds from the first step (what a
+    run stopped then trained; steps completing as it was stopped are not counted)."""
+    if not steps:
+        return steps, notes
+    end = steps[0][0] + duration
+    return [s for s in steps if s[0] <= end], [n for n in notes if n[0] <= end]
 
 
 def _summarize(system: str, steps: list, notes: list, injected: Sequence[Injected], accuracy: float,
@@ -439,6 +470,9 @@ def run_system(plan: Plan, cluster: emulated.EmulatedCluster, hosts: EmulatedHos
         results = [json.loads(m) for m in re.findall(r"FAULTS_RESULT (.*)", "".join(
             run.logs(n) for n in run.procs if n.startswith("worker")))]
         steps, notes = _read_progress(progress)
+        if plan.duration:
+            steps, notes = _within(steps, notes, plan.duration)
+            results = []  # stopped, not finished: no final accuracy
         return _summarize(system, steps, notes, injected, results[-1]["accuracy"] if results else float("nan"),
                           MODELS[plan.model])
 
@@ -501,9 +535,10 @@ def format_tables(summaries: Sequence[dict]) -> str:
             lines.append(f"| {system} | {cells[0]} | {cells[1]} | – | – | – |")
         elif clean and hit:
             rate = lambda v: f"{v:.0f}" if v >= 100 else f"{v:.2f}"  # noqa: E731 (VGG-16: a few per second)
+            acc = lambda v: "–" if v != v else f"{v:.3f}"  # noqa: E731 (nan: a --duration run, stopped)
             lines.append(f"| {system} | {rate(clean['samples_per_s'])} | {rate(hit['samples_per_s'])} | "
-                         f"{hit['samples_per_s'] / clean['samples_per_s']:.2f} | {clean['accuracy']:.3f} | "
-                         f"{hit['accuracy']:.3f} |")
+                         f"{hit['samples_per_s'] / clean['samples_per_s']:.2f} | {acc(clean['accuracy'])} | "
+                         f"{acc(hit['accuracy'])} |")
     return "\n".join(lines)
 
 
@@ -515,6 +550,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--servers", type=int, default=d.servers, help="server hosts (bpstrain)")
     p.add_argument("--rate-mbit", type=float, default=d.rate_mbit)
     p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--duration", type=float, default=d.duration,
+                   help="seconds of training per run from its first step, then it is stopped (0: until --steps, "
+                        "which is then a ceiling): the goodput over a fixed time")
     p.add_argument("--events", nargs="+", default=list(d.events), choices=EVENTS)
     p.add_argument("--every", type=float, default=d.every, help="seconds between events")
     p.add_argument("--stop-s", type=float, default=d.stop_s)
@@ -540,7 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 events=args.events, every=args.every, stop_s=args.stop_s, cut_s=args.cut_s,
                 timeout=args.timeout, checkpoint_every=args.checkpoint_every, systems=args.systems,
                 keep=args.keep, model=args.model, run_timeout=args.run_timeout,
-                collective_timeout=args.collective_timeout)
+                collective_timeout=args.collective_timeout, duration=args.duration)
     def keep(summaries):
         if args.json:
             with open(args.json, "w") as f:

@@ -88,3 +88,21 @@ def test_unknown_events_or_every_server_killed_are_refused():
         faults.run(faults.Plan(events=["reboot"]))
     with pytest.raises(ValueError, match="one must stay"):
         faults.run(faults.Plan(servers=2, events=["server", "server"], systems=["bpstrain"]))
+
+
+def test_a_timed_run_counts_the_steps_of_its_duration_and_finds_its_first_step(tmp_path):
+    # --duration 1.95: steps every 0.1 s from t=100.3 (the first step) until the run was
+    # stopped at 103.0; what completed after 102.25 ran as it was being stopped.
+    points = [(100.2 + 0.1 * s, s, 4) for s in range(1, 28)]
+    notes = [(100.0, "start step=0 restart=0", "bpstrain-0-1"), (102.6, "membership size=3", "bpstrain-0-1")]
+    steps, kept = faults._within(_steps("bpstrain", 0, points), notes, 1.95)
+    assert [s for _, s, _, _ in steps] == list(range(1, 21)) and kept == notes[:1]
+    s = _summarize("bpstrain", steps, kept, [Injected("kill", 1, 101.0), Injected("stop", 2, 102.5)], float("nan"))
+    assert s["samples"] == 20 * 4 * BATCH and [e["event"] for e in s["events"]] == ["kill"]
+    table = format_tables([{**s, "faults": False, "events": []}, {**s, "faults": True}])
+    assert "| bpstrain | 1347 | 1347 | 1.00 | – | – |" in table, table  # 2,560 samples in 1.9 s
+    # The supervisor's clock starts at the first step a progress file records.
+    (tmp_path / "bpstrain-0-1").write_text("# 100.0 start step=0 restart=0\n1 100.3 4\n2 100.4 4\n")
+    (tmp_path / "bpstrain-1-1").write_text("# 100.1 start step=0 restart=0\n")
+    assert faults._first_step_at(str(tmp_path)) == 100.3
+    assert faults._first_step_at(str(tmp_path / "none")) == 0.0
