@@ -371,10 +371,14 @@ def _within(steps: list, notes: list, duration: float) -> tuple[list, list]:
 
 
 def _summarize(system: str, steps: list, notes: list, injected: Sequence[Injected], accuracy: float,
-               batch: int = MODELS["digits_cnn"]) -> dict:
+               batch: int = MODELS["digits_cnn"], duration: float = 0.0) -> dict:
     """Per event: noticed, stall, steps lost, back; per run: samples/s that count
-    (``batch`` samples per worker and step)."""
-    first, last = steps[0][0], steps[-1][0]
+    (``batch`` samples per worker and step). ``duration``: a run stopped that long after
+    its first step (``steps`` as :func:`_within` keeps them), counted over its whole window:
+    samples per second of the window, events up to its end, and a pause that lasts until
+    it (a restart still under way) as a stall."""
+    first = steps[0][0]
+    last = first + duration if duration else steps[-1][0]
     final = max(s for _, s, _, _ in steps)
     if system != "torchrun":  # the groups that took part in each step
         per_step = {}
@@ -411,6 +415,8 @@ def _summarize(system: str, steps: list, notes: list, injected: Sequence[Injecte
         # event to the next one; a step in flight when a worker hangs waits for detection.
         until = max(until, after[0][0] if after else until)
         times = [ev.at] + sorted({t for t, _, _, _ in steps if ev.at < t <= until})
+        if duration and until >= last:
+            times.append(last)
         stall = max((b - a for a, b in zip(times, times[1:])), default=float("nan"))
         if system != "torchrun" and ev.kind == "server":  # a worker finished a step after the move
             noticed = [t for t, text, _ in notes if t > ev.at and text.startswith("servers lost")]
@@ -474,7 +480,7 @@ def run_system(plan: Plan, cluster: emulated.EmulatedCluster, hosts: EmulatedHos
             steps, notes = _within(steps, notes, plan.duration)
             results = []  # stopped, not finished: no final accuracy
         return _summarize(system, steps, notes, injected, results[-1]["accuracy"] if results else float("nan"),
-                          MODELS[plan.model])
+                          MODELS[plan.model], plan.duration)
 
 
 def _failure(exc: Exception) -> str:

@@ -97,10 +97,23 @@ def test_a_timed_run_counts_the_steps_of_its_duration_and_finds_its_first_step(t
     notes = [(100.0, "start step=0 restart=0", "bpstrain-0-1"), (102.6, "membership size=3", "bpstrain-0-1")]
     steps, kept = faults._within(_steps("bpstrain", 0, points), notes, 1.95)
     assert [s for _, s, _, _ in steps] == list(range(1, 21)) and kept == notes[:1]
-    s = _summarize("bpstrain", steps, kept, [Injected("kill", 1, 101.0), Injected("stop", 2, 102.5)], float("nan"))
-    assert s["samples"] == 20 * 4 * BATCH and [e["event"] for e in s["events"]] == ["kill"]
+    s = _summarize("bpstrain", steps, kept, [Injected("kill", 1, 101.0), Injected("stop", 2, 102.22),
+                                          Injected("cut", 3, 102.5)], float("nan"), duration=1.95)
+    # The window ends at 102.25: the stop after its last step counts (a pause until its end),
+    # the cut after it does not; samples per second are the window's (2,560 in 1.95 s).
+    assert s["samples"] == 20 * 4 * BATCH and [e["event"] for e in s["events"]] == ["kill", "stop"]
+    assert s["events"][1]["stall_s"] == pytest.approx(0.03)
+    assert s["seconds"] == pytest.approx(1.95) and s["samples_per_s"] == pytest.approx(2560 / 1.95)
     table = format_tables([{**s, "faults": False, "events": []}, {**s, "faults": True}])
-    assert "| bpstrain | 1347 | 1347 | 1.00 | – | – |" in table, table  # 2,560 samples in 1.9 s
+    assert "| bpstrain | 1313 | 1313 | 1.00 | – | – |" in table, table
+    # A restart still under way when the window ends (torchrun's, after a kill at 6.05): its
+    # pause until the end is the stall, and the samples per second count the idle time.
+    points = [(0.1 * s, s, 4) for s in range(1, 61)]
+    steps = [p for r in range(4) for p in _steps("torchrun", r, points)]
+    s = _summarize("torchrun", sorted(steps), [], [Injected("kill", 1, 6.05)], float("nan"), duration=59.9)
+    (e,) = s["events"]
+    assert e["stall_s"] == pytest.approx(59.9 + 0.1 - 6.05) and e["back_s"] is None and e["noticed_s"] is None
+    assert s["samples_per_s"] == pytest.approx(60 * 4 * BATCH / 59.9)
     # The supervisor's clock starts at the first step a progress file records.
     (tmp_path / "bpstrain-0-1").write_text("# 100.0 start step=0 restart=0\n1 100.3 4\n2 100.4 4\n")
     (tmp_path / "bpstrain-1-1").write_text("# 100.1 start step=0 restart=0\n")
