@@ -6,6 +6,7 @@ the optimizer took."""
 import json
 import os
 import signal
+import sys
 
 import keras
 import numpy as np
@@ -24,10 +25,12 @@ def rank_data(rank):
 def report_and_shut_down(model, **extra):
     """Prints ``FT_RESULT {json}``: ``extra``, the job's size, the final kernel and how many
     steps the optimizer took; then leaves the job."""
-    print("FT_RESULT " + json.dumps({**extra, "size": bps.size(),
-                                     "kernel": keras.ops.convert_to_numpy(model.layers[0].kernel).ravel().tolist(),
-                                     "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations))}),
-          flush=True)
+    # One write of the whole line: processes of one job share a stdout, and print's separate
+    # write of the newline (PYTHONUNBUFFERED) lets another's output land inside the line.
+    sys.stdout.write("FT_RESULT " + json.dumps({
+        **extra, "size": bps.size(), "kernel": keras.ops.convert_to_numpy(model.layers[0].kernel).ravel().tolist(),
+        "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations))}) + "\n")
+    sys.stdout.flush()
     bps.shutdown()
 
 

@@ -112,10 +112,14 @@ def main(argv=None):
         indices.append(batch)
         times.append(time.perf_counter() - t0)
     params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
-    print("FT_RESULT " + json.dumps({"rank": me, "start": start, "end": [bps.rank(), bps.size()],
-                                     "params": params, "events": events, "times": times,
-                                     "indices": indices,
-                                     "scheduler_alive": engine.membership()["scheduler_alive"]}), flush=True)
+    # One write of the whole line (under PIPE_BUF): a worker this one started shares its
+    # stdout, and print's separate write of the newline (PYTHONUNBUFFERED) let the other's
+    # output land inside this line.
+    sys.stdout.write("FT_RESULT " + json.dumps({"rank": me, "start": start, "end": [bps.rank(), bps.size()],
+                                               "params": params, "events": events, "times": times,
+                                               "indices": indices,
+                                               "scheduler_alive": engine.membership()["scheduler_alive"]}) + "\n")
+    sys.stdout.flush()
     bps.shutdown()
     return 0
 
