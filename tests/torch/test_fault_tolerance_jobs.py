@@ -2,8 +2,9 @@
 worker is killed (SIGKILL) or stopped (SIGSTOP) mid-training; the other two finish every
 step, end with equal parameters, equal to a replay that averages over the workers in the
 job at each step (3 before the fault, 2 after: nothing committed is lost), and see the
-new membership through rank()/size() and the callback. Without fault tolerance the same
-kill fails the job (the launcher's exit code)."""
+new membership through rank()/size() and the callback. The same kill in a job whose roles
+were each started by hand with BytePS's variables, no launcher owning it, is survived
+alike. Without fault tolerance the same kill fails the job (the launcher's exit code)."""
 
 import json
 import os
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bpstrain.launch import free_port
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
@@ -24,20 +27,32 @@ from ft_train_worker import BATCH, SAMPLES, STEPS, rank_data  # noqa: E402
 AT = 5
 
 
-def launch(fault, fault_tolerance=True, timeout=120, worker_args=(), launcher_args=(), servers=1, workers=3,
-           env_extra=None):
+def job_env(fault_tolerance=True, **extra):
+    """The environment of every process of these jobs: the repo importable, no DMLC_*
+    variables of the caller's, a 3 s heartbeat timeout, and the switch."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "BPSTRAIN_OP_TIMEOUT": "30",
-           "BPSTRAIN_TIMEOUT": "3", "BPSTRAIN_FAULT_TOLERANCE": "1" if fault_tolerance else "0", **(env_extra or {})}
+           "BPSTRAIN_TIMEOUT": "3", "BPSTRAIN_FAULT_TOLERANCE": "1" if fault_tolerance else "0"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     for name in [n for n in env if n.startswith("DMLC_")]:
         del env[name]
+    return {**env, **extra}
+
+
+def ft_results(stdout):
+    """The FT_RESULT lines of the workers that finished, by rank."""
+    results = [json.loads(line.split("FT_RESULT ", 1)[1]) for line in stdout.splitlines()
+               if "FT_RESULT " in line]
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def launch(fault, fault_tolerance=True, timeout=120, worker_args=(), launcher_args=(), servers=1, workers=3,
+           env_extra=None):
+    env = job_env(fault_tolerance, **(env_extra or {}))
     cmd = [sys.executable, "-m", "bpstrain.launch", "--workers", str(workers), "--servers", str(servers), *launcher_args, "--",
            sys.executable, str(HERE / "ft_train_worker.py"), "--fault", fault, "--at", str(AT), *worker_args]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    results = [json.loads(line.split("FT_RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-               if "FT_RESULT " in line]
-    return proc, sorted(results, key=lambda r: r["rank"]), time.monotonic() - t0
+    return proc, ft_results(proc.stdout), time.monotonic() - t0
 
 
 def replay(survivors_from=AT, rejoined_from=STEPS, momentum=0.0):
@@ -100,6 +115,45 @@ def test_survivors_finish_every_step_with_the_expected_parameters(fault):
 def test_without_fault_tolerance_a_killed_worker_fails_the_job():
     proc, results, _ = launch("kill", fault_tolerance=False)
     assert proc.returncode != 0 and results == [], (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_hand_started_job_with_the_variable_set_survives_a_killed_worker_too():
+    """Scheduler, server and three workers each started by hand with BytePS's DMLC_*
+    variables and BPSTRAIN_FAULT_TOLERANCE=1, no launcher owning the job: rank 2 SIGKILLs
+    itself before step AT, the two others finish every step with the replay's parameters,
+    and the scheduler and the server end cleanly when they are done."""
+    common = job_env(DMLC_NUM_WORKER="3", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="127.0.0.1",
+                     DMLC_PS_ROOT_PORT=str(free_port()), BYTEPS_LOCAL_SIZE="1")
+    launch_cmd = [sys.executable, "-m", "bpstrain.launch"]
+    worker_cmd = [*launch_cmd, sys.executable, str(HERE / "ft_train_worker.py"), "--fault", "kill", "--at", str(AT)]
+    procs = []
+    try:
+        for role in ("scheduler", "server"):
+            procs.append(subprocess.Popen(launch_cmd, cwd=REPO, env={**common, "DMLC_ROLE": role},
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        for worker_id in range(3):
+            procs.append(subprocess.Popen(worker_cmd, cwd=REPO,
+                                          env={**common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(worker_id)},
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = "\n".join(o[-1500:] for o in outputs)
+    scheduler, server, rank0, rank1, victim = procs
+    assert [scheduler.returncode, server.returncode, rank0.returncode, rank1.returncode] == [0, 0, 0, 0], out
+    assert victim.returncode != 0, out
+    results = ft_results(outputs[2] + outputs[3])
+    assert [r["rank"] for r in results] == [0, 1], out
+    assert results[0]["params"] == results[1]["params"], out
+    for got, ref in zip(results[0]["params"], replay()):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    for r in results:
+        assert r["start"] == [r["rank"], 3] and r["end"] == [r["rank"], 2], r
+        assert [(e["departed"], e["size"]) for e in r["events"]] == [([2], 2)], r
 
 
 @pytest.mark.timeout(180)
