@@ -534,6 +534,13 @@ void Scheduler::TryReleaseBarrierLocked() {
 
 void Scheduler::TryTerminateLocked() {
   if (finished_ || goodbyes_ == 0 || goodbyes_ < LiveWorkersLocked()) return;
+  // Nobody joins a job that ended: stop listening before the servers hear of the end,
+  // because under the launcher they connect again at once for the next job. One that
+  // reached this listener while Stop() destroyed it crashed UCX 1.13 (its TCP connection
+  // manager keeps a connection that arrived before the destroy and, when the client's
+  // request comes in, calls back into the freed listener: a SIGSEGV in
+  // ucp_cm_server_conn_request_cb). Refused now, it retries and finds the next job's.
+  listener_->Close();
   FrameHeader r;
   r.type = static_cast<uint16_t>(MsgType::kTerminate);
   for (auto& n : nodes_)

@@ -285,3 +285,23 @@ def test_ranks_naming_different_broadcast_roots_all_get_an_error():
             return push_pull(w, "after", np.ones(4, np.float32))
 
         assert all(np.all(x == 3) for x in c.run_all(job))
+
+
+def test_a_job_that_ended_stops_listening_before_its_servers_hear_of_the_end():
+    """Under the launcher a server whose job ended connects again at once for the next
+    job. One that reached the old scheduler's listener while it was being destroyed
+    crashed UCX 1.13 (a SIGSEGV in its connection manager, on CI), so the scheduler stops
+    listening before it tells the servers: once they have heard, a connection is refused."""
+    c = InProcessCluster(2, 1)
+    try:
+        sums = c.run_all(lambda rank, w: push_pull(w, "t", np.full(4, rank + 1.0, np.float32), OP_SUM))
+        assert all(float(s[0]) == 3.0 for s in sums)
+        for w in c.workers:
+            w.shutdown()
+        assert c.scheduler.wait(10)
+        assert c.servers[0].wait(10)  # it heard of the end
+        with pytest.raises(Exception, match="(?i)connect|refused|listen"):
+            c.connect_raw(timeout=0.5).close()
+    finally:
+        c.servers[0].stop()
+        c.scheduler.stop()
