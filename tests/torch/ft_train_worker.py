@@ -39,6 +39,15 @@ def rank_data(rank, step):
     return x, x.sum(1, keepdim=True) * 0.5
 
 
+def report(result):
+    """Prints this worker's ``FT_RESULT`` line in one write (well under PIPE_BUF, so
+    atomic on the launcher's pipe): a worker this one started shares its stdout, and
+    print's separate write of the newline (PYTHONUNBUFFERED) let the other's output land
+    inside this line."""
+    sys.stdout.write("FT_RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
 def signal_a_service(role, sig=signal.SIGKILL):
     """Sends ``sig`` to a process the launcher started beside this worker with DMLC_ROLE
     ``role`` (the scheduler, or the first server found); returns its pid."""
@@ -112,14 +121,8 @@ def main(argv=None):
         indices.append(batch)
         times.append(time.perf_counter() - t0)
     params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
-    # One write of the whole line (under PIPE_BUF): a worker this one started shares its
-    # stdout, and print's separate write of the newline (PYTHONUNBUFFERED) let the other's
-    # output land inside this line.
-    sys.stdout.write("FT_RESULT " + json.dumps({"rank": me, "start": start, "end": [bps.rank(), bps.size()],
-                                               "params": params, "events": events, "times": times,
-                                               "indices": indices,
-                                               "scheduler_alive": engine.membership()["scheduler_alive"]}) + "\n")
-    sys.stdout.flush()
+    report({"rank": me, "start": start, "end": [bps.rank(), bps.size()], "params": params, "events": events,
+            "times": times, "indices": indices, "scheduler_alive": engine.membership()["scheduler_alive"]})
     bps.shutdown()
     return 0
 
@@ -177,10 +180,9 @@ def elastic(args):
             pulled_in(state.commit)
         times.append(time.perf_counter() - t0)
     params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
-    print("FT_RESULT " + json.dumps({"rank": me, "start": start, "end": [bps.rank(), bps.size()],
-                                     "params": params, "events": events, "first_step": first,
-                                     "restarted": restarted, "indices": indices, "times": times,
-                                     "syncs": state.syncs, "sync_pulled": sync_pulled}), flush=True)
+    report({"rank": me, "start": start, "end": [bps.rank(), bps.size()], "params": params, "events": events,
+            "first_step": first, "restarted": restarted, "indices": indices, "times": times,
+            "syncs": state.syncs, "sync_pulled": sync_pulled})
     bps.shutdown()
     if started is not None:
         started.wait(60)

@@ -68,10 +68,13 @@ if __name__ == "__main__":
     model = tiny_net()
     history = trainer.fit(model, (x, y))
     m = engine.membership() if engine.is_initialized() else {}
-    print("RESULT " + json.dumps({
+    # One write of the whole line: the worker rank 0 starts by hand shares its stdout, and
+    # print's separate write of the newline could let that one's output land inside it.
+    sys.stdout.write("RESULT " + json.dumps({
         "rank": m.get("rendezvous_rank"), "size": trainer.size, "admitted_late": m.get("admitted_late"),
         "restarted": os.environ.get("BPSTRAIN_RESTART"), "steps": trainer.global_step,
         "epochs": [e["epoch"] for e in history.epochs], "loss": history["loss"],
-        "weights": [p.detach().reshape(-1).tolist() for p in model.state_dict().values()]}), flush=True)
+        "weights": [p.detach().reshape(-1).tolist() for p in model.state_dict().values()]}) + "\n")
+    sys.stdout.flush()
     if fault.started is not None:
         fault.started.wait(60)
