@@ -3,15 +3,14 @@ model with bpstrain.keras.DistributedOptimizer; rank 2 kills itself (SIGKILL) wh
 AT begins. Survivors print ``FT_RESULT {json}`` with the final kernel and how many steps
 the optimizer took."""
 
-import json
 import os
 import signal
-import sys
 
 import keras
 import numpy as np
 
 import bpstrain.keras as bps
+from tests.result_lines import write_result
 
 STEPS, AT, BATCH, LR = 8, 3, 16, 0.05
 
@@ -25,12 +24,9 @@ def rank_data(rank):
 def report_and_shut_down(model, **extra):
     """Prints ``FT_RESULT {json}``: ``extra``, the job's size, the final kernel and how many
     steps the optimizer took; then leaves the job."""
-    # One write of the whole line: processes of one job share a stdout, and print's separate
-    # write of the newline (PYTHONUNBUFFERED) lets another's output land inside the line.
-    sys.stdout.write("FT_RESULT " + json.dumps({
+    write_result({
         **extra, "size": bps.size(), "kernel": keras.ops.convert_to_numpy(model.layers[0].kernel).ravel().tolist(),
-        "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations))}) + "\n")
-    sys.stdout.flush()
+        "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations))}, "FT_RESULT")
     bps.shutdown()
 
 

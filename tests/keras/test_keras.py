@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.result_lines import read_results
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from launched_job import assert_check, launch  # noqa: E402
@@ -96,14 +98,12 @@ def test_model_fit_survives_a_killed_worker_under_fault_tolerance():
     """comm.fault_tolerance with Keras (TensorFlow backend): rank 2 of 3 is SIGKILLed when
     batch 3 begins; the other two finish model.fit with equal kernels, equal to a replay
     averaging 3 workers' gradients before and 2 after."""
-    import json
 
     from keras_ft_worker import AT, BATCH, LR, STEPS, rank_data
 
     code, out, _ = launch([sys.executable, HERE / "keras_ft_worker.py"], 3,
                           {"KERAS_BACKEND": "tensorflow", "BPSTRAIN_FAULT_TOLERANCE": "1"}, timeout=240)
-    results = sorted((json.loads(line.split("FT_RESULT ", 1)[1]) for line in out.splitlines()
-                      if "FT_RESULT " in line), key=lambda r: r["rank"])
+    results = sorted(read_results(out, "FT_RESULT"), key=lambda r: r["rank"])
     assert code == 0 and [r["rank"] for r in results] == [0, 1], out[-4000:]
     assert results[0]["kernel"] == results[1]["kernel"] and all(r["iterations"] == STEPS for r in results)
     w = np.zeros((4, 1))
@@ -125,7 +125,6 @@ def test_a_killed_worker_is_restarted_and_joins_model_fit_with_the_others_state(
     and step counter and the position, and trains the rest of that epoch and the next.
     All three end with equal kernels, equal to a replay averaging 3 workers' gradients,
     then 2, then 3 again from the step it joined at."""
-    import json
 
     from keras_ft_worker import AT, BATCH, LR, STEPS, rank_data
     from keras_join_worker import EPOCHS
@@ -133,8 +132,7 @@ def test_a_killed_worker_is_restarted_and_joins_model_fit_with_the_others_state(
     code, out, _ = launch([sys.executable, HERE / "keras_join_worker.py"], 3,
                           {"KERAS_BACKEND": "tensorflow", "BPSTRAIN_FAULT_TOLERANCE": "1", "BPSTRAIN_TIMEOUT": "3"},
                           timeout=240, launcher_args=["--max-restarts", "1"])
-    results = sorted((json.loads(line.split("FT_RESULT ", 1)[1]) for line in out.splitlines()
-                      if "FT_RESULT " in line), key=lambda r: r["rank"])
+    results = sorted(read_results(out, "FT_RESULT"), key=lambda r: r["rank"])
     assert code == 0 and [r["rank"] for r in results] == [0, 1, 2], out[-4000:]
     joiner = results[2]
     assert joiner["restarted"] == "1" and joiner["size"] == 3, joiner

@@ -6,14 +6,13 @@ import sys
 import time
 
 import pytest
-from launch_helpers import HERE, REPO, alive, subprocess_env
+from launch_helpers import HERE, LAUNCH, REPO, alive, run_hand_started_job, subprocess_env
 
 from bpstrain.launch import LocalJob, free_port
 
 pytest.importorskip("bpstrain._core", reason="bpstrain's C++ extension is not built")
 
 WORKER = [sys.executable, str(HERE / "e2e_worker.py")]
-LAUNCH = [sys.executable, "-m", "bpstrain.launch"]
 
 
 @pytest.mark.timeout(120)
@@ -52,31 +51,13 @@ def test_real_job_with_a_failing_worker_is_torn_down():
 
 
 def _hand_started_job(worker_env: dict, worker_ids=("0", "1"), codes=None) -> list[str]:
-    """Starts scheduler, server and one `DMLC_ROLE=worker` launcher per worker host by
-    hand, as with BytePS, and returns each process's output (all must exit 0, or with
+    """Runs a hand-started job of e2e workers (the scheduler and server are told nothing
+    of ``worker_env``) and returns each process's output (all must exit 0, or with
     ``codes``, one per process)."""
-    common = dict(DMLC_NUM_WORKER=str(len(worker_ids)), DMLC_NUM_SERVER="1",
-                  DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()))
-    procs = []
-    try:
-        for role in ("scheduler", "server"):
-            procs.append(subprocess.Popen(LAUNCH, cwd=REPO,
-                                          env=subprocess_env(DMLC_ROLE=role, **common),
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
-        for worker_id in worker_ids:
-            env = subprocess_env(DMLC_ROLE="worker", DMLC_WORKER_ID=worker_id, **common,
-                                 **worker_env)
-            procs.append(subprocess.Popen([*LAUNCH, *WORKER], cwd=REPO, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True))
-        outputs = [p.communicate(timeout=90)[0] for p in reversed(procs)][::-1]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == (codes or [0] * len(procs)), outputs
+    common = subprocess_env(DMLC_NUM_WORKER=str(len(worker_ids)), DMLC_NUM_SERVER="1",
+                            DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()))
+    returncodes, outputs = run_hand_started_job(common, WORKER, worker_ids, worker_env)
+    assert returncodes == (codes or [0] * len(returncodes)), outputs
     return outputs
 
 

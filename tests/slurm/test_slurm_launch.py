@@ -4,7 +4,6 @@ Both conventions on 4 nodes x 2 workers, a heterogeneous step whose second compo
 the servers, an allocation that cannot form a job, and a task killed outright.
 """
 
-import json
 import os
 import re
 import signal
@@ -15,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.result_lines import read_results
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -145,8 +146,7 @@ def test_trainer_under_a_bare_srun_finds_the_step_itself(slurm, tmp_path):
     proc = slurm.srun("-N", "2", "--ntasks-per-node=1", sys.executable,
                       str(HERE / "trainer_fit.py"), str(tmp_path), timeout=100, **ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-               if "RESULT " in line]
+    results = read_results(proc.stdout)
     assert sorted((r["rank"], r["size"]) for r in results) == [(0, 2), (1, 2)], proc.stdout
     # 256 samples / 2 ranks / 32 per batch = 4 steps an epoch; one run folder, named once.
     assert {r["steps"] for r in results} == {8} and len({r["run"] for r in results}) == 1

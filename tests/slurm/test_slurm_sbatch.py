@@ -4,7 +4,6 @@ job, whose second run resumes at the next batch and completes it. 2 nodes x 1 ta
 of the recipe's 4 x 2, to keep the test short (the launcher's 4 x 2 layouts are tested in
 test_slurm_launch.py)."""
 
-import json
 import os
 import re
 import subprocess
@@ -13,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.result_lines import results_by_rank
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -101,8 +102,7 @@ def _requeued_job_resumes_exactly(slurm, tmp_path, submit):
         capture_output=True, text=True, timeout=120, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert whole.returncode == 0, whole.stdout + whole.stderr
-    expected = {r["rank"]: r for r in (json.loads(line.split("RESULT ", 1)[1])
-                                       for line in whole.stdout.splitlines() if "RESULT " in line)}
+    expected = results_by_rank(whole.stdout)
     logs = tmp_path / "log"
     lines = lambda r: (logs / f"rank{r}.log").read_text().splitlines() \
         if (logs / f"rank{r}.log").exists() else []  # noqa: E731
@@ -144,8 +144,7 @@ def _requeued_job_resumes_exactly(slurm, tmp_path, submit):
     # at the next batch: the step logs of both runs together are the uninterrupted one's
     # on every rank (a rank that stopped at another step would lose or repeat lines).
     assert "resumed from" in text and f"batch {batch})" in text, text
-    got = {r["rank"]: r for r in (json.loads(line.split("RESULT ", 1)[1])
-                                  for line in text.splitlines() if "RESULT " in line)}
+    got = results_by_rank(text)
     for rank in (0, 1):
         assert lines(rank) == (tmp_path / "whole_log" / f"rank{rank}.log").read_text(
             ).splitlines(), rank

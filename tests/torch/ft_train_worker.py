@@ -16,7 +16,6 @@ and after, the membership events its callback saw and each step's seconds (the s
 the fault holds the detection)."""
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -28,6 +27,7 @@ import torch
 import bpstrain.torch as bps
 from bpstrain import engine
 from bpstrain.launch._procs import child_pids
+from tests.result_lines import write_result
 
 STEPS = 12
 SAMPLES, BATCH = 56, 2  # the ElasticSampler's epoch: 3 workers x 5 steps, then 2 workers cover the rest
@@ -37,15 +37,6 @@ def rank_data(rank, step):
     g = torch.Generator().manual_seed(1000 * rank + step)
     x = torch.randn(16, 4, generator=g)
     return x, x.sum(1, keepdim=True) * 0.5
-
-
-def report(result):
-    """Prints this worker's ``FT_RESULT`` line in one write (well under PIPE_BUF, so
-    atomic on the launcher's pipe): a worker this one started shares its stdout, and
-    print's separate write of the newline (PYTHONUNBUFFERED) let the other's output land
-    inside this line."""
-    sys.stdout.write("FT_RESULT " + json.dumps(result) + "\n")
-    sys.stdout.flush()
 
 
 def signal_a_service(role, sig=signal.SIGKILL):
@@ -121,8 +112,8 @@ def main(argv=None):
         indices.append(batch)
         times.append(time.perf_counter() - t0)
     params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
-    report({"rank": me, "start": start, "end": [bps.rank(), bps.size()], "params": params, "events": events,
-            "times": times, "indices": indices, "scheduler_alive": engine.membership()["scheduler_alive"]})
+    write_result({"rank": me, "start": start, "end": [bps.rank(), bps.size()], "params": params, "events": events,
+                  "times": times, "indices": indices, "scheduler_alive": engine.membership()["scheduler_alive"]}, "FT_RESULT")
     bps.shutdown()
     return 0
 
@@ -180,9 +171,9 @@ def elastic(args):
             pulled_in(state.commit)
         times.append(time.perf_counter() - t0)
     params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
-    report({"rank": me, "start": start, "end": [bps.rank(), bps.size()], "params": params, "events": events,
-            "first_step": first, "restarted": restarted, "indices": indices, "times": times,
-            "syncs": state.syncs, "sync_pulled": sync_pulled})
+    write_result({"rank": me, "start": start, "end": [bps.rank(), bps.size()], "params": params, "events": events,
+                  "first_step": first, "restarted": restarted, "indices": indices, "times": times,
+                  "syncs": state.syncs, "sync_pulled": sync_pulled}, "FT_RESULT")
     bps.shutdown()
     if started is not None:
         started.wait(60)

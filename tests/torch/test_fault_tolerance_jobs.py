@@ -6,7 +6,6 @@ new membership through rank()/size() and the callback. The same kill in a job wh
 were each started by hand with BytePS's variables, no launcher owning it, is survived
 alike. Without fault tolerance the same kill fails the job (the launcher's exit code)."""
 
-import json
 import os
 import re
 import subprocess
@@ -18,6 +17,8 @@ import pytest
 import torch
 
 from bpstrain.launch import free_port
+from tests.launch.launch_helpers import run_hand_started_job
+from tests.result_lines import read_results
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -40,8 +41,7 @@ def job_env(fault_tolerance=True, **extra):
 
 def ft_results(stdout):
     """The FT_RESULT lines of the workers that finished, by rank."""
-    results = [json.loads(line.split("FT_RESULT ", 1)[1]) for line in stdout.splitlines()
-               if "FT_RESULT " in line]
+    results = read_results(stdout, "FT_RESULT")
     return sorted(results, key=lambda r: r["rank"])
 
 
@@ -125,27 +125,10 @@ def test_a_hand_started_job_with_the_variable_set_survives_a_killed_worker_too()
     and the scheduler and the server end cleanly when they are done."""
     common = job_env(DMLC_NUM_WORKER="3", DMLC_NUM_SERVER="1", DMLC_PS_ROOT_URI="127.0.0.1",
                      DMLC_PS_ROOT_PORT=str(free_port()), BYTEPS_LOCAL_SIZE="1")
-    launch_cmd = [sys.executable, "-m", "bpstrain.launch"]
-    worker_cmd = [*launch_cmd, sys.executable, str(HERE / "ft_train_worker.py"), "--fault", "kill", "--at", str(AT)]
-    procs = []
-    try:
-        for role in ("scheduler", "server"):
-            procs.append(subprocess.Popen(launch_cmd, cwd=REPO, env={**common, "DMLC_ROLE": role},
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        for worker_id in range(3):
-            procs.append(subprocess.Popen(worker_cmd, cwd=REPO,
-                                          env={**common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(worker_id)},
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes, outputs = run_hand_started_job(common, [sys.executable, str(HERE / "ft_train_worker.py"), "--fault", "kill",
+                                                   "--at", str(AT)], range(3), timeout=120)
     out = "\n".join(o[-1500:] for o in outputs)
-    scheduler, server, rank0, rank1, victim = procs
-    assert [scheduler.returncode, server.returncode, rank0.returncode, rank1.returncode] == [0, 0, 0, 0], out
-    assert victim.returncode != 0, out
+    assert codes[:4] == [0, 0, 0, 0] and codes[4] != 0, out  # scheduler, server, ranks 0 and 1; the victim
     results = ft_results(outputs[2] + outputs[3])
     assert [r["rank"] for r in results] == [0, 1], out
     assert results[0]["params"] == results[1]["params"], out

@@ -1,7 +1,6 @@
 """comm.compression in the Trainer: a 2-worker local cluster trains with top-k 1 %, its
 checkpoints hold every rank's error-feedback state, and a resume gives it back."""
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from bpstrain.launch import free_port
 from bpstrain.trainer import Trainer
 from bpstrain.trainer.callbacks.checkpoint import read_checkpoint
 from tests.trainer.helpers import CompressionProbe, base_config, blobs, tensor_total, tiny_net
+from tests.result_lines import read_results
 
 
 def _config(tmp_path, **extra):
@@ -74,8 +74,7 @@ def test_keras_model_trains_with_compression_rules_in_a_launched_job(tmp_path):
         env={**os.environ, "PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "2",
              "KERAS_BACKEND": "tensorflow"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-               if "RESULT " in line]
+    results = read_results(proc.stdout)
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert results[0]["weights"] == results[1]["weights"]  # the servers answer all alike
     assert results[0]["last"]["val_accuracy"] > 0.8, results[0]["last"]

@@ -1,6 +1,5 @@
 """Trainer.fit inside ``python -m bpstrain.launch`` (DMLC_ROLE=worker): one rank of the job."""
 
-import json
 import os
 import subprocess
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.helpers import blobs
+from tests.result_lines import read_results
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,8 +22,7 @@ def test_fit_runs_as_one_rank_of_a_launched_job(tmp_path):
         capture_output=True, text=True, timeout=110, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-               if "RESULT " in line]
+    results = read_results(proc.stdout)
     assert sorted(r["rank"] for r in results) == [0, 1] and {r["size"] for r in results} == {2}
     # Metrics are averaged over ranks, so every rank reports the same numbers (timings are
     # each rank's own).
@@ -56,8 +55,7 @@ def test_keras_precision_clipping_and_evaluation_in_a_launched_job(tmp_path):
         capture_output=True, text=True, timeout=230, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-               if "RESULT " in line]
+    results = read_results(proc.stdout)
     assert sorted(r["rank"] for r in results) == [0, 1] and {r["size"] for r in results} == {2}
     # The loss scale's inf check sits inside the averaging: both ranks took the same steps.
     assert all(r["loss_scaled_inside"] and r["clip"] == 1.0 for r in results)
@@ -88,8 +86,7 @@ def test_fit_lets_a_restarted_or_added_worker_join_with_the_others_state(tmp_pat
         capture_output=True, text=True, timeout=230, cwd=ROOT, env=env)
     out = (proc.stdout + proc.stderr)[-5000:]
     assert proc.returncode == 0, out
-    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
-                      if "RESULT " in line), key=lambda r: r["rank"])
+    results = sorted(read_results(proc.stdout), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1, 2], out
     joiner = results[2]
     assert joiner["admitted_late"] and joiner["restarted"] == ("1" if mode == "kill" else None), joiner

@@ -10,7 +10,6 @@ uninterrupted run's, line for line on every rank, and the final weights must be 
 The Slurm version (a real requeue) is tests/slurm/test_slurm_sbatch.py.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.result_lines import results_by_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "trainer" / "scripts" / "preempt_fit.py"
@@ -39,11 +40,6 @@ def _finish(proc, timeout=120):
     return out
 
 
-def _records(out, tag):
-    return {r["rank"]: r for r in (json.loads(line.split(tag + " ", 1)[1])
-                                   for line in out.splitlines() if tag + " " in line)}
-
-
 def _lines(log_dir, rank):
     path = Path(log_dir) / f"rank{rank}.log"
     return path.read_text().splitlines() if path.exists() else []
@@ -57,7 +53,7 @@ def test_usr1_checkpoints_mid_epoch_and_the_resumed_run_loses_and_repeats_no_ste
     monkeypatch.setenv("BPSTRAIN_COMPRESSION", compression)
     monkeypatch.setenv("BPSTRAIN_COMPRESSION_MIN_SIZE", "0")
     whole = _finish(_launch(tmp_path / "whole", tmp_path / "whole_log"))
-    expected = _records(whole, "RESULT")
+    expected = results_by_rank(whole)
     assert sorted(expected) == [0, 1] and expected[0]["steps"] == 3 * 16
 
     # Interrupted: the steps are slowed so that the signal lands in the first epochs.
@@ -70,7 +66,7 @@ def test_usr1_checkpoints_mid_epoch_and_the_resumed_run_loses_and_repeats_no_ste
     pid = int((tmp_path / "log" / "rank1.pid").read_text())
     os.kill(pid, signal.SIGUSR1)  # rank 1 only: rank 0 learns it at the next step
     out = _finish(proc)
-    stopped = _records(out, "PREEMPTED")
+    stopped = results_by_rank(out, "PREEMPTED")
     assert sorted(stopped) == [0, 1], out
     step = stopped[0]["step"]
     assert stopped[1]["step"] == step and 20 <= step < 48, out
@@ -86,7 +82,7 @@ def test_usr1_checkpoints_mid_epoch_and_the_resumed_run_loses_and_repeats_no_ste
 
     resumed = _finish(_launch(tmp_path / "run", tmp_path / "log", "auto"))
     assert "resumed from" in resumed and f"batch {step % 16}" in resumed, resumed
-    got = _records(resumed, "RESULT")
+    got = results_by_rank(resumed)
     for rank in (0, 1):
         assert _lines(tmp_path / "log", rank) == _lines(tmp_path / "whole_log", rank)
         assert got[rank]["steps"] == 48
@@ -169,14 +165,14 @@ def test_keras_model_checkpoints_mid_epoch_and_resumes_with_every_step_equal(
     monkeypatch.setenv("BPSTRAIN_COMPRESSION", compression)
     monkeypatch.setenv("BPSTRAIN_COMPRESSION_MIN_SIZE", "0")
     whole = _finish(_launch(tmp_path / "whole", tmp_path / "whole_log", script=KERAS_SCRIPT))
-    expected = _records(whole, "RESULT")
+    expected = results_by_rank(whole)
     assert sorted(expected) == [0, 1] and expected[0]["steps"] == 3 * 16, whole
 
     env = {"BPSTRAIN_PREEMPT": "1", "PREEMPT_STEP_SLEEP": "0.1"}
     proc = _launch(tmp_path / "run", tmp_path / "log", env=env, script=KERAS_SCRIPT)
     _signal_rank1_after(proc, tmp_path / "log", 20)  # into the second epoch
     out = _finish(proc)
-    stopped = _records(out, "PREEMPTED")
+    stopped = results_by_rank(out, "PREEMPTED")
     assert sorted(stopped) == [0, 1], out
     step = stopped[0]["step"]
     assert stopped[1]["step"] == step and 20 <= step < 48, out
@@ -190,7 +186,7 @@ def test_keras_model_checkpoints_mid_epoch_and_resumes_with_every_step_equal(
 
     resumed = _finish(_launch(tmp_path / "run", tmp_path / "log", "auto", script=KERAS_SCRIPT))
     assert "resumed from" in resumed and f"batch {step % 16}" in resumed, resumed
-    got = _records(resumed, "RESULT")
+    got = results_by_rank(resumed)
     for rank in (0, 1):
         # Every step's weights and seeds, before and after the restart, bit for bit.
         assert _lines(tmp_path / "log", rank) == _lines(tmp_path / "whole_log", rank)

@@ -1,12 +1,12 @@
 """One rank of a launched job: the same Trainer.fit, twice; prints what it saw."""
 
-import json
 import sys
 
 import torch
 
 from bpstrain.trainer import Trainer
 from tests.trainer.helpers import base_config, blobs, tiny_net
+from tests.result_lines import write_result
 
 if __name__ == "__main__":
     out_dir = sys.argv[1]
@@ -30,7 +30,7 @@ if __name__ == "__main__":
         full = torch.nn.functional.cross_entropy(model(torch.as_tensor(x_odd)),
                                                  torch.as_tensor(y_odd)).item()
     predicted = torch.cat(trainer.predict(model, x_odd))
-    print("RESULT " + json.dumps({"rank": trainer.rank, "size": trainer.size,
-                                  "last": results, "steps": steps, "validated": validated,
-                                  "tested": tested, "full_loss": full,
-                                  "predicted": len(predicted)}), flush=True)
+    write_result({"rank": trainer.rank, "size": trainer.size,
+                  "last": results, "steps": steps, "validated": validated,
+                  "tested": tested, "full_loss": full,
+                  "predicted": len(predicted)})

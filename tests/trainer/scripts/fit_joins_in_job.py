@@ -6,7 +6,6 @@ BPSTRAIN_MAX_WORKERS=3). Either joins at the next admission, gets the others' st
 trains to the end. Every worker prints one RESULT line; SeenSamples records what each
 trained (argv: out_dir, mode)."""
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import torch
 from bpstrain import engine
 from bpstrain.trainer import Callback, Trainer
 from tests.trainer.helpers import SeenSamples, base_config, blobs, tiny_net
+from tests.result_lines import write_result
 
 AT = 3
 
@@ -68,13 +68,10 @@ if __name__ == "__main__":
     model = tiny_net()
     history = trainer.fit(model, (x, y))
     m = engine.membership() if engine.is_initialized() else {}
-    # One write of the whole line: the worker rank 0 starts by hand shares its stdout, and
-    # print's separate write of the newline could let that one's output land inside it.
-    sys.stdout.write("RESULT " + json.dumps({
+    write_result({
         "rank": m.get("rendezvous_rank"), "size": trainer.size, "admitted_late": m.get("admitted_late"),
         "restarted": os.environ.get("BPSTRAIN_RESTART"), "steps": trainer.global_step,
         "epochs": [e["epoch"] for e in history.epochs], "loss": history["loss"],
-        "weights": [p.detach().reshape(-1).tolist() for p in model.state_dict().values()]}) + "\n")
-    sys.stdout.flush()
+        "weights": [p.detach().reshape(-1).tolist() for p in model.state_dict().values()]})
     if fault.started is not None:
         fault.started.wait(60)

@@ -2,13 +2,13 @@
 (top-k by default, onebit on the kernels by rule); prints what it saw."""
 
 import hashlib
-import json
 import sys
 
 import keras
 
 from bpstrain.trainer import Trainer
 from tests.trainer.helpers import base_config, blobs
+from tests.result_lines import write_result
 
 if __name__ == "__main__":
     x, y = blobs(256)
@@ -20,8 +20,8 @@ if __name__ == "__main__":
                               keras.layers.Dense(4)])
     history = trainer.fit(model, (x, y), val_data=(x, y))
     compression = model.optimizer._bps_compression
-    print("RESULT " + json.dumps({
+    write_result({
         "rank": trainer.rank, "last": history.last,
         "weights": hashlib.sha1(b"".join(w.tobytes() for w in model.get_weights())).hexdigest(),
         "compressor": type(compression).__name__,
-        "state": sorted(compression.get_state())}), flush=True)
+        "state": sorted(compression.get_state())})

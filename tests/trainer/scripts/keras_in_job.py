@@ -2,7 +2,6 @@
 gradient clipping, then validate/test/predict; prints what it saw."""
 
 import hashlib
-import json
 import sys
 
 import keras
@@ -11,6 +10,7 @@ import numpy as np
 from bpstrain.keras._optimizer import _DistributedMixin
 from bpstrain.trainer import Trainer
 from tests.trainer.helpers import base_config, blobs
+from tests.result_lines import write_result
 
 if __name__ == "__main__":
     out_dir = sys.argv[1]
@@ -33,9 +33,9 @@ if __name__ == "__main__":
     tested = evaluator.test(model, (x_odd, y_odd))
     full = model.evaluate(x_odd, y_odd, verbose=0, return_dict=True)
     predicted = evaluator.predict(model, x_odd)
-    print("RESULT " + json.dumps({
+    write_result({
         "rank": trainer.rank, "size": trainer.size, "last": history.last, "weights": weights,
         "loss_scaled_inside": isinstance(optimizer, _DistributedMixin) and isinstance(
             optimizer, keras.optimizers.LossScaleOptimizer),
         "clip": optimizer.inner_optimizer.global_clipnorm, "validated": validated,
-        "tested": tested, "full": full, "predicted": len(predicted)}), flush=True)
+        "tested": tested, "full": full, "predicted": len(predicted)})

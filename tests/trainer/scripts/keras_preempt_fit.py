@@ -8,7 +8,6 @@ and the seeds all are. The pid goes to ``LOG/rank<r>.pid`` before training. Prin
 """
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -19,6 +18,7 @@ import numpy as np
 
 from bpstrain.trainer import Callback, Preempted, Trainer
 from tests.trainer.helpers import base_config, blobs
+from tests.result_lines import write_result
 
 
 def variables_digest(model) -> str:
@@ -65,13 +65,12 @@ if __name__ == "__main__":
     try:
         history = trainer.fit(model, (x, y), val_data=(x[:64], y[:64]))
     except Preempted as exc:
-        print("PREEMPTED " + json.dumps({"rank": trainer.rank, "step": exc.global_step,
-                                         "path": str(exc.path) if exc.path else None}),
-              flush=True)
+        write_result({"rank": trainer.rank, "step": exc.global_step,
+                      "path": str(exc.path) if exc.path else None}, "PREEMPTED")
         raise
-    print("RESULT " + json.dumps({
+    write_result({
         "rank": trainer.rank, "steps": trainer.global_step,
         "weights": variables_digest(model),
         "iterations": int(model.optimizer.iterations.numpy()),
         "history": [{k: v for k, v in e.items() if k not in ("samples_per_s", "epoch_time")}
-                    for e in history.to_dict()["epochs"]]}), flush=True)
+                    for e in history.to_dict()["epochs"]]})

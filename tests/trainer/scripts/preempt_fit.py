@@ -7,7 +7,6 @@ when fit completes and ``PREEMPTED {json}`` when SIGUSR1 stopped it (exit status
 """
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -18,6 +17,7 @@ from torch import nn
 
 from bpstrain.trainer import Callback, Preempted, Trainer
 from tests.trainer.helpers import base_config, blobs
+from tests.result_lines import write_result
 
 
 class LoggedNet(nn.Module):
@@ -68,13 +68,12 @@ if __name__ == "__main__":
     try:
         history = trainer.fit(model, (x, y))
     except Preempted as exc:
-        print("PREEMPTED " + json.dumps({"rank": trainer.rank, "step": exc.global_step,
-                                         "path": str(exc.path) if exc.path else None}),
-              flush=True)
+        write_result({"rank": trainer.rank, "step": exc.global_step,
+                      "path": str(exc.path) if exc.path else None}, "PREEMPTED")
         raise
     weights = hashlib.sha1(b"".join(v.numpy().tobytes() for v in
                                     model.state_dict().values())).hexdigest()
-    print("RESULT " + json.dumps({
+    write_result({
         "rank": trainer.rank, "steps": trainer.global_step, "weights": weights,
         "history": [{k: v for k, v in e.items() if k not in ("samples_per_s", "epoch_time")}
-                    for e in history.to_dict()["epochs"]]}), flush=True)
+                    for e in history.to_dict()["epochs"]]})
