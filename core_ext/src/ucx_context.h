@@ -44,6 +44,7 @@ struct UcpApi {
   decltype(&ucp_request_free) request_free;
   decltype(&ucp_request_cancel) request_cancel;
   decltype(&ucs_status_string) status_string;
+  decltype(&ucp_get_version) get_version;
 
   // The functions of libucp.so.0 (or BPSTRAIN_UCX_LIB); throws Error(kConfig) saying
   // what is missing. Loaded once per process.
@@ -51,6 +52,10 @@ struct UcpApi {
 };
 
 std::string Why(const UcpApi& api, ucs_status_t st);
+
+// Whether this UCX runs its protocols v2 (the default from 1.16; UCX_PROTO_ENABLE decides
+// where set), whose rendezvous over TCP writes the body zero-copy.
+bool ProtocolsV2(const UcpApi& api);
 
 // One UCP context and worker per transport name, and the thread that progresses it: every
 // completion and callback of this process's UCX links runs there. Other threads post
