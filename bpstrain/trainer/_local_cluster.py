@@ -37,6 +37,50 @@ _GRACE_S = 3.0
 _ROOT_CAUSE_WAIT_S = 2.0  # after a peer error, how long to wait for the failing rank's own
 
 
+class _Inbox:
+    """The workers' messages: one multiprocessing queue per worker process, read in order
+    by a thread each into one local queue, which the parent reads.
+
+    One queue shared by every worker is not safe under fault tolerance: a worker that dies
+    in the middle of a put (SIGKILL, ``os._exit``) never releases the queue's write lock,
+    and every other worker's put, and its exit (which flushes the queue), then waits for
+    ever (CI: rank 0 exiting at its first batch hung the two that finished training). A
+    message cut short by its writer's death only stalls that worker's own thread."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+        self._merged: queue_mod.Queue = queue_mod.Queue()
+        self._queues: list = []
+        self._closed = threading.Event()
+
+    def new_queue(self):
+        """A queue for one worker process to send on."""
+        q = self._ctx.Queue()
+        self._queues.append(q)
+        threading.Thread(target=self._forward, args=(q,), daemon=True, name="bpstrain-fit-inbox").start()
+        return q
+
+    def _forward(self, q) -> None:
+        while not self._closed.is_set():
+            try:
+                msg = q.get(timeout=_POLL_S)
+            except queue_mod.Empty:
+                continue
+            except (EOFError, OSError, ValueError, pickle.UnpicklingError):
+                return  # closed by close(), or a message its writer did not finish
+            self._merged.put(msg)
+
+    def get(self, timeout: float):
+        """The next message of any worker; raises queue.Empty after ``timeout`` s."""
+        return self._merged.get(timeout=timeout)
+
+    def close(self) -> None:
+        self._closed.set()
+        for q in self._queues:
+            q.close()
+            q.cancel_join_thread()  # never block on a queue nobody reads any more
+
+
 class WorkerError(BpsError):
     """A worker failed and its exception could not be rebuilt here; carries its traceback.
 
@@ -141,7 +185,7 @@ class LocalClusterLauncher:
         messages, sink = None, TqdmSink()
         try:
             payload = self._payload(model, data, val_data, folder)
-            messages = ctx.Queue()
+            messages = _Inbox(ctx)
             extra = {"BPSTRAIN_SECRET": cfg.secret} if cfg.secret else {}
             if self._fault_tolerance:  # the scheduler decides who left, with the workers' timeout
                 extra.update(BPSTRAIN_FAULT_TOLERANCE="1",
@@ -163,7 +207,6 @@ class LocalClusterLauncher:
             shutil.rmtree(folder, ignore_errors=True)
             if messages is not None:
                 messages.close()
-                messages.cancel_join_thread()  # never block on a queue nobody reads any more
         # Global rank 0 sends the weights: with fault tolerance the first worker still in the job.
         rank0 = next(r for _, r in sorted(results.items()) if r.get("weights") is not None)
         unpack_weights(model, rank0["weights"])
@@ -178,7 +221,7 @@ class LocalClusterLauncher:
         env = {k: v for k, v in self.services.worker_env(rank).items() if k.startswith(_CLUSTER_VARS)}
         if restart:
             env["BPSTRAIN_RESTART"] = str(restart)
-        proc = ctx.Process(target=main, args=(rank, env, payload, messages, parent_pid),
+        proc = ctx.Process(target=main, args=(rank, env, payload, messages.new_queue(), parent_pid),
                            name=f"bpstrain-worker-{rank}")
         proc.start()
         return proc
