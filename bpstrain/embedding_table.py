@@ -7,6 +7,11 @@
     ...forward, backward to the rows...
     table.push(ids, row_grads, lr=0.05)    # averaged over workers, applied on the servers
 
+    # pipelined: the next batch's rows travel while this step's push is in flight
+    handles = table.push_async(ids, row_grads, lr=0.05)
+    ahead = table.prefetch(next_ids)       # the rows as of after that push
+    rows = table.take(ahead)               # waits for the push; rows it changed are refreshed
+
 The framework layers build on this: ``bpstrain.torch.ServerEmbedding`` /
 ``ServerEmbeddingBag`` pull in ``forward`` and push from ``backward``.
 """
@@ -14,12 +19,12 @@ The framework layers build on this: ``bpstrain.torch.ServerEmbedding`` /
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from bpstrain import engine
-from bpstrain._sparse import _enqueue_shard, _num_shards, combine_duplicates, encode, initial_rows
+from bpstrain._sparse import _enqueue_shard, _num_shards, combine_duplicates, decode, encode, initial_rows
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 _ROWS_PULL, _ROWS_PUSH = 4, 5  # the push meta's ParamOp (core_ext/src/protocol.h)
@@ -71,6 +76,10 @@ class EmbeddingTable:
         self.spec = (f"init={init} seed={self.seed} optimizer={optimizer} eps={self.eps!r} "
                      f"initial_accumulator={self.initial_accumulator!r} beta1={betas[0]!r} beta2={betas[1]!r}")
         self._local_rows = None
+        self._pushes = 0  # push_async calls so far: a prefetch names the push it follows
+        self._unwaited: Dict[int, List[int]] = {}  # push number -> its handles, until waited for
+        # The prefetch made while that push was in flight: its answers may refresh rows.
+        self._refreshed_by_push: Optional[Prefetch] = None
 
     @property
     def _local(self):
@@ -125,6 +134,7 @@ class EmbeddingTable:
         if grads.shape[1] != self.width:
             raise ValueError(f"gradients of table {self.name!r} must be (len(ids), {self.width}). "
                              f"Received: {grads.shape}")
+        self._pushes += 1
         if self._local is not None:
             self._local.apply(ids, grads, lr)
             return []
@@ -135,13 +145,97 @@ class EmbeddingTable:
             mine = shard_of == s
             handles.append(_enqueue_shard(f"{self.name}.table{s}", self.width, encode(ids[mine], grads[mine]),
                                           param=_ROWS_PUSH, lr=float(lr), table=self.spec))
+        self._unwaited[self._pushes] = handles
         return handles
 
-    @staticmethod
-    def wait(handles: List[int]) -> None:
+    def wait(self, handles: List[int]) -> None:
         """Waits for a :meth:`push_async`."""
-        for handle in handles:
-            engine.synchronize(handle)
+        number = next((n for n, h in self._unwaited.items() if h is handles), None)
+        answers = [engine.synchronize(handle) for handle in handles]
+        if number is None:
+            return
+        del self._unwaited[number]
+        ahead = self._refreshed_by_push
+        if ahead is not None and number == ahead.after:
+            ahead.refresh = answers  # the rows the push changed among the prefetch's ids
+            self._refreshed_by_push = None
+
+    def prefetch(self, ids) -> "Prefetch":
+        """Collective, like :meth:`pull`: starts pulling the rows of ``ids`` as of after
+        every push started so far, while the last push may still be in flight, and returns
+        at once; :meth:`take` gives the rows. The servers send now the rows that push can
+        no longer change, and the rest (the rows it changes) with the push's answer, so
+        the next batch's rows travel while this step's gradients do. A prefetch must follow
+        the previous push's :meth:`wait` or :meth:`take`: only the last push may be in flight."""
+        unique, inverse = np.unique(self.check_ids(ids), return_inverse=True)
+        ahead = Prefetch(unique, inverse, self._pushes)
+        if any(n < self._pushes for n in self._unwaited):
+            raise RuntimeError(f"table {self.name!r}: a prefetch while an earlier push is not waited for "
+                               "(only the last push may be in flight)")
+        if self._pushes in self._unwaited:  # the push may be in flight: its answer may refresh rows
+            if self._refreshed_by_push is not None:
+                raise RuntimeError(f"table {self.name!r}: a second prefetch while push {self._pushes} is in flight "
+                                   "(take or discard the first, or wait for the push)")
+            self._refreshed_by_push = ahead
+        if self._local is None:
+            shards = _num_shards()
+            shard_of = unique % shards
+            for s in range(shards):
+                mine = np.nonzero(shard_of == s)[0]
+                body = np.ascontiguousarray(unique[mine]).view(np.uint8)
+                ahead.shards.append((mine, _enqueue_shard(f"{self.name}.table{s}", self.width, body,
+                                                          param=_ROWS_PULL, table=self.spec, after=self._pushes)))
+        return ahead
+
+    def take(self, ahead: "Prefetch") -> np.ndarray:
+        """The rows of a :meth:`prefetch`, ``(len(ids), width)`` in its ids' order; waits
+        for the push it follows if nobody did (its answer brings the rows it changed)."""
+        if ahead.taken:
+            raise RuntimeError(f"table {self.name!r}: this prefetch was taken already")
+        ahead.taken = True
+        if self._local is not None:
+            return self._local.read(ahead.unique)[ahead.inverse]
+        if ahead.after in self._unwaited:
+            self.wait(self._unwaited[ahead.after])
+        answers = [engine.synchronize(handle) for _, handle in ahead.shards]
+        rows = np.empty((ahead.unique.size, self.width), np.float32)
+        filled = np.zeros(ahead.unique.size, bool)
+        if self._refreshed_by_push is ahead or ahead.refresh is None:
+            if self._refreshed_by_push is ahead:  # a later push started before the one it follows was waited for
+                raise RuntimeError(f"table {self.name!r}: the push this prefetch follows was never waited for")
+            ahead.refresh = [b""] * len(answers)
+        for (mine, _), now, later in zip(ahead.shards, answers, ahead.refresh):
+            asked = ahead.unique[mine]
+            for blob in (now, later):  # rows as the prefetch found them, then as the push left them
+                got_ids, got_rows = decode(blob, self.width, self.num_rows)
+                at = np.searchsorted(asked, got_ids)
+                if got_ids.size and (at[-1] >= asked.size or np.any(asked[np.minimum(at, asked.size - 1)] != got_ids)):
+                    raise ValueError(f"table {self.name!r}: a prefetch answer with rows that were not asked for")
+                rows[mine[at]] = got_rows
+                filled[mine[at]] = True
+        if not filled.all():
+            raise ValueError(f"table {self.name!r}: the servers left {int((~filled).sum())} rows of a prefetch unanswered")
+        return rows[ahead.inverse]
+
+    def discard(self, ahead: "Prefetch") -> None:
+        """Drops a :meth:`prefetch` that will not be taken (its operations still finish)."""
+        if not ahead.taken:
+            ahead.taken = True
+            if self._refreshed_by_push is ahead:
+                self._refreshed_by_push = None
+            for _, handle in ahead.shards:
+                engine.synchronize(handle)
+
+
+class Prefetch:
+    """A started :meth:`EmbeddingTable.prefetch`: the unique ids asked, per shard the
+    positions among them and the engine handle, and the number of the push it follows."""
+
+    def __init__(self, unique: np.ndarray, inverse: np.ndarray, after: int):
+        self.unique, self.inverse, self.after = unique, inverse, after
+        self.shards: List[Tuple[np.ndarray, int]] = []
+        self.refresh: Optional[List[bytes]] = None  # the answers of the push it follows, per shard
+        self.taken = False
 
 
 class _LocalRows:

@@ -9,6 +9,8 @@ with SGD for ``--steps`` timed steps after ``--warmup``:
 * ``bpstrain-table``: the table kept by the servers (``bpstrain.torch.ServerEmbeddingBag``,
   sparse SGD applied there; each worker pulls its batch's rows and pushes their gradients),
   the head through ``DistributedOptimizer``;
+* ``bpstrain-prefetch``: ``bpstrain-table`` with the next batch's rows prefetched after each
+  forward (``ServerEmbeddingBag.prefetch``), so they travel while the step's push does;
 * ``ddp``: ``sparse=True`` under torch DDP over gloo (sparse all-reduce by all-gather).
 
 Prints one ``BENCH_RESULT`` line: ``times`` (seconds per timed step), ``rx``/``tx`` (bytes
@@ -39,7 +41,7 @@ def make_model(args, sparse: bool):
     class Dlrm(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            if args.system == "bpstrain-table":
+            if args.system in ("bpstrain-table", "bpstrain-prefetch"):
                 import bpstrain.torch as bps
 
                 self.emb = bps.ServerEmbeddingBag(args.rows, args.dim, name="dlrm.emb", mode="sum", lr=args.lr)
@@ -92,9 +94,12 @@ def run(args) -> tuple[int, int, dict]:
         optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
                                              named_parameters=model.named_parameters())
 
-    def step_fn(ids, offsets, y):
+    def step_fn(ids, offsets, y, next_ids):
         optimizer.zero_grad()
-        F.binary_cross_entropy_with_logits(net(ids, offsets), y).backward()
+        out = net(ids, offsets)
+        if args.system == "bpstrain-prefetch" and next_ids is not None:
+            model.emb.prefetch(next_ids)  # pulled as soon as this step's push starts
+        F.binary_cross_entropy_with_logits(out, y).backward()
         optimizer.step()
 
     times, union = [], []
@@ -106,7 +111,7 @@ def run(args) -> tuple[int, int, dict]:
         if step == args.warmup:
             rx0, tx0 = link_counters(args.ifname)
         start = time.perf_counter()
-        step_fn(ids, offsets, y)
+        step_fn(ids, offsets, y, batches[step + 1][0] if step + 1 < len(batches) else None)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             grad = getattr(model.emb, "weight", None)
@@ -124,7 +129,7 @@ def run(args) -> tuple[int, int, dict]:
         import bpstrain.torch as bps
         from bpstrain import engine
 
-        if args.system == "bpstrain-table":
+        if args.system in ("bpstrain-table", "bpstrain-prefetch"):
             model.emb.synchronize()
         engine.barrier()
         bps.shutdown()
@@ -134,7 +139,8 @@ def run(args) -> tuple[int, int, dict]:
 def main(argv=None) -> int:
     """Command-line entry point; see the module docstring."""
     p = argparse.ArgumentParser(prog="python -m bpstrain.bench._sparse_worker")
-    p.add_argument("--system", choices=("bpstrain-sparse", "bpstrain-table", "bpstrain-dense", "ddp"),
+    p.add_argument("--system", choices=("bpstrain-sparse", "bpstrain-table", "bpstrain-prefetch", "bpstrain-dense",
+                                        "ddp"),
                    required=True)
     p.add_argument("--rows", type=int, default=4_000_000)
     p.add_argument("--dim", type=int, default=64)

@@ -9,13 +9,15 @@ Every system trains the model of :mod:`bpstrain.bench._sparse_worker` (an Embedd
 head, SGD) on the emulated cluster (worker hosts 0..H-1, server hosts H..H+K-1, the
 scheduler on H+K, every link capped with ``tc tbf``; DDP on the worker hosts). Systems:
 bpstrain-sparse (row-sparse push_pull of the embedding's gradient), bpstrain-table (the
-table kept by the servers, ``ServerEmbeddingBag``), bpstrain-dense, ddp (gloo, sparse
-gradients). Columns: the median over steps of the slowest worker's step; the bytes each
+table kept by the servers, ``ServerEmbeddingBag``), bpstrain-prefetch (the same, each step
+prefetching the next batch's rows while its push is in flight), bpstrain-dense, ddp (gloo,
+sparse gradients). Columns: the median over steps of the slowest worker's step; the bytes each
 worker host's link sent and received per step (its namespace's interface counters; mean
 over workers); the least a worker must send and receive per step (bpstrain-sparse: ids +
-its unique rows x row bytes up, ids + the union's rows down; bpstrain-table: ids twice +
-its unique rows' gradients up, its unique rows down) and the measured/bound ratios; how
-much faster bpstrain-sparse and bpstrain-table are than each system, in the same run.
+its unique rows x row bytes up, ids + the union's rows down; bpstrain-table and -prefetch:
+ids twice + its unique rows' gradients up, its unique rows down) and the measured/bound
+ratios; how much faster bpstrain-sparse, bpstrain-table and bpstrain-prefetch are than each
+system, in the same run.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from bpstrain.bench._hosts import EmulatedHosts, LoopbackHosts
 from bpstrain.bench.training import ps_layout, run_ddp_job
 
 _WORKER = "bpstrain.bench._sparse_worker"
-SYSTEMS = ("bpstrain-sparse", "bpstrain-table", "bpstrain-dense", "ddp")
+SYSTEMS = ("bpstrain-sparse", "bpstrain-table", "bpstrain-prefetch", "bpstrain-dense", "ddp")
 
 
 @dataclasses.dataclass
@@ -62,6 +64,7 @@ class SparseRow:
     pull_bound: float | None = None  # what it must receive
     speedup: float | None = None  # this step / bpstrain-sparse's (how much faster sparse is)
     table_speedup: float | None = None  # this step / bpstrain-table's
+    prefetch_speedup: float | None = None  # this step / bpstrain-prefetch's
 
 
 def _row(system: str, payloads: list[dict], dim: int) -> SparseRow:
@@ -74,7 +77,7 @@ def _row(system: str, payloads: list[dict], dim: int) -> SparseRow:
     if system == "bpstrain-sparse":  # push own rows with ids, pull the union with ids
         row.push_bound = own * (8 + 4 * dim)
         row.pull_bound = statistics.mean(statistics.mean(r["union_rows"]) for r in res) * (8 + 4 * dim)
-    elif system == "bpstrain-table":  # send ids to pull, ids + gradients to push; receive own rows
+    elif system in ("bpstrain-table", "bpstrain-prefetch"):  # ids to pull, ids + gradients to push; own rows back
         row.push_bound, row.pull_bound = own * (16 + 4 * dim), own * 4 * dim
     return row
 
@@ -116,21 +119,25 @@ def run(plan: SparsePlan, log=None) -> list[SparseRow]:
             r.speedup = r.step_s / step["bpstrain-sparse"]
         if "bpstrain-table" in step:
             r.table_speedup = r.step_s / step["bpstrain-table"]
+        if "bpstrain-prefetch" in step:
+            r.prefetch_speedup = r.step_s / step["bpstrain-prefetch"]
     return rows
 
 
 def format_table(rows: Sequence[SparseRow]) -> str:
-    head = (f"{'system':<16} {'step':>10} {'tx/step':>10} {'rx/step':>10} {'push bound':>11} "
-            f"{'pull bound':>11} {'tx/bound':>9} {'rx/bound':>9} {'sparse is':>10} {'table is':>10}")
+    head = (f"{'system':<17} {'step':>10} {'tx/step':>10} {'rx/step':>10} {'push bound':>11} "
+            f"{'pull bound':>11} {'tx/bound':>9} {'rx/bound':>9} {'sparse is':>10} {'table is':>10} "
+            f"{'prefetch is':>11}")
     lines = [head, "-" * len(head)]
     mb = lambda b: f"{b / 1e6:8.2f} MB" if b is not None else f"{'-':>11}"
     for r in rows:
         tx_ratio = f"{r.tx_per_step / r.push_bound:8.2f}x" if r.push_bound else f"{'-':>9}"
         rx_ratio = f"{r.rx_per_step / r.pull_bound:8.2f}x" if r.pull_bound else f"{'-':>9}"
         speed = lambda x: f"{x:8.1f}x" if x is not None else f"{'-':>9}"
-        lines.append(f"{r.system:<16} {r.step_s * 1e3:7.1f} ms {r.tx_per_step / 1e6:7.2f} MB "
+        lines.append(f"{r.system:<17} {r.step_s * 1e3:7.1f} ms {r.tx_per_step / 1e6:7.2f} MB "
                      f"{r.rx_per_step / 1e6:7.2f} MB {mb(r.push_bound)} {mb(r.pull_bound)} {tx_ratio} "
-                     f"{rx_ratio} {speed(r.speedup):>10} {speed(r.table_speedup):>10}")
+                     f"{rx_ratio} {speed(r.speedup):>10} {speed(r.table_speedup):>10} "
+                     f"{speed(r.prefetch_speedup):>11}")
     return "\n".join(lines)
 
 

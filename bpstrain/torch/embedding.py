@@ -11,6 +11,15 @@ batch's unique rows (waiting first for the previous step's push, so it reads the
 rows); ``backward`` starts the push of their gradients, which overlaps the rest of the
 backward pass and the dense optimizer step. Both are collective, like the dense
 push_pulls: every rank calls the layer the same number of times (evaluation included).
+
+Pipelined, as TorchRec's training pipeline: after a step's forward, ``emb.prefetch(next_ids)``
+starts pulling the next batch's rows as soon as this step's push is on its way, so they
+travel while the gradients do; the next forward with those ids takes them (the rows the
+push changed come with the push's answer) — the same rows as without the prefetch::
+
+    out = emb(ids, offsets)
+    emb.prefetch(next_ids)         # collective, like forward
+    loss.backward()
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bpstrain.embedding_table import EmbeddingTable
+from bpstrain.embedding_table import EmbeddingTable, Prefetch
 
 
 class _ServerTableLayer(torch.nn.Module):
@@ -41,21 +50,54 @@ class _ServerTableLayer(torch.nn.Module):
                                     initial_accumulator=initial_accumulator_value, betas=betas)
         self.num_embeddings, self.embedding_dim, self.lr = num_embeddings, embedding_dim, float(lr)
         self._pushing: Optional[List[int]] = None  # the last backward's push, until waited for
+        self._ahead: Optional[Prefetch] = None  # the next forward's rows, on their way
+        self._prefetch_at_push: Optional[np.ndarray] = None  # ids to prefetch once the push starts
+        self._push_due = False  # a training forward whose backward has not pushed yet
+
+    def prefetch(self, input: torch.Tensor) -> None:
+        """Starts pulling the rows of the next forward's ``input`` (collective). Called
+        after this step's forward, the pull starts once this step's push does (at once if
+        it has); the next forward takes the rows if its ids are the same (any order and
+        duplicates), otherwise it pulls as usual."""
+        unique = self.table.check_ids(torch.unique(self._ids(input).detach().cpu(), sorted=True).numpy())
+        if self._ahead is not None:
+            self.table.discard(self._ahead)
+            self._ahead = None
+        if self._push_due:
+            self._prefetch_at_push = unique
+        else:
+            self._ahead = self.table.prefetch(unique)
 
     def synchronize(self) -> None:
         """Waits for the last backward's push (the next ``forward`` does it by itself)."""
         pushing, self._pushing = self._pushing, None
         self.table.wait(pushing or [])
 
-    def _rows(self, input: torch.Tensor):
-        """``(inverse, rows)``: ``input`` renumbered into the pulled unique rows."""
+    def _ids(self, input: torch.Tensor) -> torch.Tensor:
         if input.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{type(self).__name__} expects integer ids. Received: {input.dtype}")
-        self.synchronize()
-        unique, inverse = torch.unique(input.detach().cpu(), sorted=True, return_inverse=True)
+        return input
+
+    def _rows(self, input: torch.Tensor):
+        """``(inverse, rows)``: ``input`` renumbered into the pulled unique rows."""
+        unique, inverse = torch.unique(self._ids(input).detach().cpu(), sorted=True, return_inverse=True)
         unique_np = self.table.check_ids(unique.numpy())
-        rows = torch.from_numpy(self.table.pull_unique(unique_np)).to(input.device)
-        if torch.is_grad_enabled() and self.training:
+        will_push = torch.is_grad_enabled() and self.training
+        ahead = self._ahead
+        self.synchronize()
+        if ahead is not None and np.array_equal(ahead.unique, unique_np):
+            self._ahead = None
+            got = self.table.take(ahead)
+        else:
+            # A forward that does not push (evaluation) leaves the prefetch for the next
+            # one; a training forward's push would change its rows.
+            if ahead is not None and will_push:
+                self._ahead = None
+                self.table.discard(ahead)
+            got = self.table.pull_unique(unique_np)
+        rows = torch.from_numpy(got).to(input.device)
+        if will_push:
+            self._push_due, self._prefetch_at_push = True, None
             rows.requires_grad_(True)
             rows.register_hook(lambda grad: self._push(unique_np, grad))
         return inverse.to(input.device).view_as(input), rows
@@ -65,6 +107,10 @@ class _ServerTableLayer(torch.nn.Module):
             raise RuntimeError(f"{type(self).__name__} {self.table.name!r}: a second backward before the next "
                                "forward; each forward's rows are pushed once (call forward again first)")
         self._pushing = self.table.push_async(unique, grad.detach().cpu().float().numpy(), self.lr)
+        self._push_due = False
+        if self._prefetch_at_push is not None:  # now the rows travel while the gradients do
+            self._ahead = self.table.prefetch(self._prefetch_at_push)
+            self._prefetch_at_push = None
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, name={self.table.name!r}, "

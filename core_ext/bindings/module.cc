@@ -677,7 +677,7 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "enqueue_sparse",
           [](Worker& w, const std::string& name, uint32_t row_width, py::buffer data, int priority, int param,
-             double lr, const std::string& table) {
+             double lr, const std::string& table, int64_t after) {
             BufferView in = View(data, false, "data");
             OpRequest r;
             r.name = name;
@@ -693,17 +693,20 @@ PYBIND11_MODULE(_core, m) {
             r.param = param;
             r.lr = lr;
             r.server_optimizer = table;
+            r.table_after = after;
             if (row_width == 0) throw Error(Error::kConfig, "tensor '" + name + "': row_width must be >= 1");
             py::gil_scoped_release nogil;
             return w.Enqueue(r);
           },
           py::arg("name"), py::arg("row_width"), py::arg("data"), py::arg("priority") = 0, py::arg("param") = 0,
-          py::arg("lr") = 0.0, py::arg("table") = "",
+          py::arg("lr") = 0.0, py::arg("table") = "", py::arg("after") = -1,
           "Row-sparse push_pull: `data` is int64 ids (ascending, unique) then their float32 rows\n"
           "of `row_width`; it must stay alive until the handle is done. take_sparse_result gives the\n"
           "merged rows of every worker (ids then summed rows). `param` 4: a pull of the rows of the\n"
           "ids in `data` from the servers' embedding table `table` (spec, row_table.h); 5: a push of\n"
-          "(ids, gradient rows) that the servers average over workers and apply with `lr`.")
+          "(ids, gradient rows) that the servers average over workers and apply with `lr`. A pull\n"
+          "with `after` >= 0 is a prefetch of the rows as of after that many pushes (wire.h): its\n"
+          "answer and the answer of push `after` are (ids, rows) of some of the ids.")
       .def(
           "take_sparse_result",
           [](Worker& w, int64_t handle) { return py::bytes(w.TakeSparseResult(handle)); },

@@ -52,6 +52,9 @@ struct OpRequest {
   // (table push: ids and gradient rows, applied by the servers with `lr`; the answer is
   // empty), `server_optimizer` is the table spec (row_table.h).
   uint32_t sparse_row_width = 0;
+  // A table pull that is a prefetch (>= 0): the rows as of after this many pushes of the
+  // table, asked while the last of them may still be in flight (wire.h, kRowsPull).
+  int64_t table_after = -1;
   uint64_t sparse_bytes = 0;
 };
 

@@ -43,6 +43,7 @@ class RowTable {
   // Called for every step of the table, rows or none: Adam's bias correction counts steps.
   void Apply(const int64_t* ids, uint64_t count, const float* grads, double lr);
   size_t rows() const { return index_.size(); }
+  uint64_t steps() const { return steps_; }  // Apply calls so far: the table's pushes
 
  private:
   // Rows live in chunks of kChunkRows, so a growing table never moves (copies) the

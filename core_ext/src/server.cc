@@ -435,6 +435,10 @@ Push Server::ParsePush(const FrameHeader& h, const std::string& meta) const {
     p.row_width = r.U32();
     p.param_spec = r.Str();
     if (param == kRowsPush) p.lr = r.F64();
+    if (param == kRowsPull && !r.AtEnd()) {
+      p.table_after = r.I64();
+      if (p.table_after < 0) throw FrameError("a table prefetch after " + std::to_string(p.table_after) + " pushes");
+    }
     RowTableSpec spec;
     const uint64_t unit = param == kRowsPull ? 8 : SparseRowBytes(p.row_width);
     if (p.broadcast || empty || p.dtype != DType::kFloat32 || p.complete_at != p.expected ||
@@ -658,113 +662,6 @@ void Server::SendParamAnswers(EngineThread* et, std::vector<ParamStore::Answer>&
                      a.error.empty() ? std::move(a.weights) : nullptr);
     et->param_waiters.erase(w);
   }
-}
-
-void Server::ProcessSparse(EngineThread* et, Task& t) {
-  const Push& p = t.push;
-  auto what = [&p] { return "sparse partition " + std::to_string(p.key) + " round " + std::to_string(p.version); };
-  auto it = et->sparse_rounds.find({p.key, p.version});
-  if (it == et->sparse_rounds.end()) {
-    it = et->sparse_rounds.emplace(std::make_pair(p.key, p.version), SparseRound{}).first;
-    it->second.expected = it->second.meta_expected = p.expected;
-    it->second.width = p.row_width;
-    it->second.merged = std::make_unique<RowMerger>(p.row_width);
-    it->second.table = p.param == kRowsPush;
-    it->second.lr = p.lr;
-    it->second.spec = p.param_spec;
-  }
-  SparseRound& sr = it->second;
-  if (std::find(sr.senders.begin(), sr.senders.end(), p.sender) != sr.senders.end())
-    return Reject(t, "duplicate push of " + what() + " from the same worker");
-  if ((sr.width != p.row_width || sr.meta_expected != p.expected || sr.table != (p.param == kRowsPush) ||
-       sr.lr != p.lr || sr.spec != p.param_spec) && sr.error.empty())
-    sr.error = what() + ": rows of " + std::to_string(p.row_width) + " values from worker " +
-               std::to_string(p.sender) + ", of " + std::to_string(sr.width) + " from another (or a different "
-               "operation, learning rate or table spec); every rank needs the same";
-  if (sr.error.empty() && p.body) {
-    std::string bad = sr.merged->Add(p.body->data(), p.len);
-    if (!bad.empty()) {
-      if (sr.senders.empty()) et->sparse_rounds.erase(it);
-      return Reject(t, what() + ": " + bad);
-    }
-  }
-  t.push.body.reset();
-  sr.waiters.push_back(t.from);
-  sr.senders.push_back(p.sender);
-  FitToMembership(et, sr);
-  if (static_cast<int>(sr.senders.size()) >= sr.expected) CompleteSparse(et, it);
-}
-
-void Server::CompleteSparse(EngineThread* et, std::map<std::pair<uint64_t, uint64_t>, SparseRound>::iterator it) {
-  SparseRound& sr = it->second;
-  const uint64_t key = it->first.first, version = it->first.second;
-  FrameHeader reply;
-  reply.type = static_cast<uint16_t>(sr.error.empty() ? MsgType::kPullReply : MsgType::kError);
-  reply.key = key;
-  reply.version = version;
-  reply.arg = sr.expected;  // the pushes merged (a worker that left may have sent one)
-  if (sr.meta_expected == et->num_workers && sr.expected < et->num_workers) reply.flags |= kFlagReduced;
-  std::shared_ptr<Buffer> body = sr.error.empty() ? sr.merged->Result(*pool_) : nullptr;
-  if (sr.table && sr.error.empty()) {
-    // Storage mode: the average of every worker's gradient, one optimizer step per row.
-    RowTable* table = TableFor(et, key, sr.width, sr.spec, &sr.error);
-    if (table) {  // also when no rank sent rows to this shard: the step still counts (Adam)
-      const uint64_t count = body ? body->size() / SparseRowBytes(sr.width) : 0;
-      const int64_t* ids = body ? reinterpret_cast<const int64_t*>(body->data()) : nullptr;
-      float* grads = body ? reinterpret_cast<float*>(body->data() + count * 8) : nullptr;
-      if (count) DivideInPlace(DType::kFloat32, grads, count * sr.width, sr.expected);
-      table->Apply(ids, count, grads, sr.lr);
-    }
-    body.reset();  // the answer is an acknowledgement
-    if (!sr.error.empty()) reply.type = static_cast<uint16_t>(MsgType::kError);
-  }
-  reply.body_len = body ? body->size() : 0;
-  const std::string meta = !sr.error.empty()              ? MetaWriter().Str(sr.error).bytes()
-                           : reply.flags & kFlagReduced ? ReducedAnswerMeta(et)
-                                                        : std::string();
-  for (auto& w : sr.waiters) w->Reply(reply, meta, body);  // one answer, shared
-  et->sparse_rounds.erase(it);
-}
-
-RowTable* Server::TableFor(EngineThread* et, uint64_t key, uint32_t width, const std::string& spec_text,
-                           std::string* error) {
-  auto it = et->tables.find(key);
-  if (it == et->tables.end()) {
-    RowTableSpec spec;
-    ParseRowTableSpec(spec_text, &spec);  // checked in ParsePush
-    it = et->tables.emplace(key, std::make_unique<RowTable>(width, spec, spec_text)).first;
-  }
-  RowTable* t = it->second.get();
-  if (t->width() != width || t->text() != spec_text) {
-    *error = "embedding table partition " + std::to_string(key) + " was created with width " +
-             std::to_string(t->width()) + " and '" + t->text() + "'; this operation says " +
-             std::to_string(width) + " and '" + spec_text + "'";
-    return nullptr;
-  }
-  return t;
-}
-
-void Server::ProcessRowsPull(EngineThread* et, Task& t) {
-  const Push& p = t.push;
-  std::string error;
-  RowTable* table = TableFor(et, p.key, p.row_width, p.param_spec, &error);
-  if (!table) return Reject(t, error);
-  const uint64_t count = p.len / 8;
-  std::vector<int64_t> ids(count);
-  if (count) std::memcpy(ids.data(), p.body->data(), count * 8);
-  for (uint64_t i = 0; i < count; ++i)
-    if (ids[i] < 0 || (i && ids[i] <= ids[i - 1]))
-      return Reject(t, "embedding table partition " + std::to_string(p.key) +
-                           ": row ids are not non-negative and strictly ascending");
-  std::shared_ptr<Buffer> rows = count ? pool_->Acquire(count * 4ull * p.row_width) : nullptr;
-  if (rows) table->Read(ids.data(), count, reinterpret_cast<float*>(rows->data()));
-  FrameHeader reply;
-  reply.type = static_cast<uint16_t>(MsgType::kPullReply);
-  reply.key = p.key;
-  reply.version = p.version;
-  reply.arg = p.expected;
-  reply.body_len = rows ? rows->size() : 0;
-  t.from->Reply(reply, "", std::move(rows));
 }
 
 }  // namespace bps

@@ -141,6 +141,13 @@ class Server {
     std::map<std::tuple<uint64_t, int, uint64_t>, std::shared_ptr<Conn>> param_waiters;
     std::map<std::pair<uint64_t, uint64_t>, SparseRound> sparse_rounds;  // (key, version)
     std::map<uint64_t, std::unique_ptr<RowTable>> tables;  // embedding storage, by key
+    // Table prefetches waiting for the push they were asked after, by (key, worker):
+    // that push's answer to the worker carries the rows of `ids` it changed.
+    struct Prefetch {
+      uint64_t after = 0;
+      std::vector<int64_t> ids;  // ascending
+    };
+    std::map<std::pair<uint64_t, int>, Prefetch> prefetches;
     // Fault tolerance: the ranks that left the job, as this thread last heard, and that
     // membership's epoch (reduced answers carry both).
     std::vector<int64_t> departed;
@@ -195,6 +202,8 @@ class Server {
   void ForgetRecoveredBefore(EngineThread* et, uint64_t key, uint64_t version);
   void ProcessSparse(EngineThread* et, Task& t);
   void ProcessRowsPull(EngineThread* et, Task& t);
+  // Rows of `ids` (ascending) as sparse rows (ids, rows), read from `table`; null for none.
+  std::shared_ptr<Buffer> TableRows(RowTable& table, const std::vector<int64_t>& ids);
   // The key's table, created with this width and spec; null (and *error set) on a mismatch.
   RowTable* TableFor(EngineThread* et, uint64_t key, uint32_t width, const std::string& spec, std::string* error);
   void SendParamAnswers(EngineThread* et, std::vector<ParamStore::Answer>& answers);

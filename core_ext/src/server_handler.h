@@ -52,6 +52,7 @@ struct Push {
   ServerOptimizer optimizer;    // init
   double lr = 0;                // update
   uint32_t row_width = 0;       // kSparseRows: floats per row
+  int64_t table_after = -1;     // kRowsPull: a prefetch of the rows after this many pushes
   // kRecoveredAnswer (a lost server's answer of this round, from a worker that got it):
   // the reply's `arg`, flags and meta as that server sent them; `body` is the answer.
   int64_t recovered_summed = 0;

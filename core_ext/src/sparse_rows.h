@@ -28,6 +28,7 @@ class RowMerger {
   // The union: ids ascending, then their summed rows (null when no worker sent a row).
   std::shared_ptr<Buffer> Result(BufferPool& pool) const;
   size_t rows() const { return ids_.size(); }
+  bool Contains(int64_t id) const { return index_.Find(id) >= 0; }
 
  private:
   uint32_t width_;

@@ -82,7 +82,12 @@ enum PushFlags : uint16_t {
 //   kSparseRows (row-sparse push_pull, sparse_rows.h; `arg` = the body's length, which
 //     varies per push): u32 row width (floats);
 //   kRowsPull / kRowsPush (the servers as embedding storage, row_table.h; body: ids /
-//     ids and gradient rows): u32 row width, str table spec, and for a push f64 lr;
+//     ids and gradient rows): u32 row width, str table spec, and for a push f64 lr; a
+//     pull may end with i64 `after`, which makes it a prefetch: the rows as of after
+//     `after` pushes of the table, asked while push number `after` may still be in
+//     flight. The server answers at once with the rows that push cannot change any more
+//     and keeps the ids; the answer of push `after` to that worker then carries the rows
+//     of those ids that it changed or that were held back;
 //   kRecoveredAnswer (fault tolerance, a server was lost: the answer of round `version`
 //     that this worker received from the lost server, so that the partition's new server
 //     answers the workers that did not get it with the same bytes; no reply): i64 pushes
@@ -98,7 +103,9 @@ enum ParamOp : uint32_t {
 // (how far the others are); a kParamUpdate's answer has `arg` = participants and meta
 // i64 = its staleness (ParamStore::Answer); a kSparseRows answer's body is the merged
 // rows (any length), a kRowsPull answer's the rows asked for, a kRowsPush answer is
-// empty (the round's merged gradients were applied). Flags:
+// empty (the round's merged gradients were applied). A prefetch's answer and a kRowsPush
+// answer to a worker with a prefetch waiting are sparse rows (ids, rows) of some of the
+// ids asked (sparse_rows.h). Flags:
 enum ReplyFlags : uint16_t {
   kFlagLate = 1,  // the round completed before this worker's push; its push was dropped
   kFlagReduced = 2,  // a worker left (kMembership): the answer sums fewer pushes than the job

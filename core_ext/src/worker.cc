@@ -451,7 +451,10 @@ void Worker::SenderLoop(DataConn* c) {
         meta.U32(kParamInit).Str(opts_.consistency).U32(consistency_.staleness_lr ? 1 : 0).Str(req.server_optimizer);
       if (req.param == kParamUpdate) meta.U32(kParamUpdate).F64(req.lr);
       if (sparse && req.param == kParamNone) meta.U32(kSparseRows).U32(req.sparse_row_width);
-      if (sparse && req.param == kRowsPull) meta.U32(kRowsPull).U32(req.sparse_row_width).Str(req.server_optimizer);
+      if (sparse && req.param == kRowsPull) {
+        meta.U32(kRowsPull).U32(req.sparse_row_width).Str(req.server_optimizer);
+        if (req.table_after >= 0) meta.I64(req.table_after);
+      }
       if (sparse && req.param == kRowsPush)
         meta.U32(kRowsPush).U32(req.sparse_row_width).Str(req.server_optimizer).F64(req.lr);
       c->link->Send(h, meta.bytes(), send_body ? body : nullptr, send_body ? body_len : 0);
@@ -517,11 +520,14 @@ void Worker::ReceiverLoop(DataConn* c) {
       const OpRequest& req = t.op->req;
       const bool sparse = req.sparse_row_width > 0;
       // Sparse answers: merged (id, row)s; a table pull's rows, one per id asked; a table
-      // push's acknowledgement, empty.
+      // push's acknowledgement, empty or the rows that refresh a prefetch (ids, rows); a
+      // prefetch's (ids, rows), at most one per id asked. The adapter checks the ids.
       const uint64_t asked_rows = 4ull * req.sparse_row_width * (req.sparse_bytes / 8);
-      if (ok && (sparse ? (req.param == kRowsPull   ? h.body_len != asked_rows
-                           : req.param == kRowsPush ? h.body_len != 0
-                                            : h.body_len % SparseRowBytes(req.sparse_row_width) != 0)
+      const uint64_t row_bytes = SparseRowBytes(req.sparse_row_width);
+      const bool prefetch = req.param == kRowsPull && req.table_after >= 0;
+      if (ok && (sparse ? (prefetch ? h.body_len % row_bytes != 0 || h.body_len / row_bytes > req.sparse_bytes / 8
+                           : req.param == kRowsPull ? h.body_len != asked_rows
+                                                    : h.body_len % row_bytes != 0)
                         : req.keep_own ? h.body_len != 0 && h.body_len != static_cast<uint64_t>(t.len)
                                        : h.body_len != static_cast<uint64_t>(t.len)))
         throw FrameError("reply of " + std::to_string(h.body_len) + " bytes for a partition of " +

@@ -62,6 +62,8 @@ void Worker::CheckRequest(const OpRequest& req) const {
       bad = "embedding table spec: " + bad;
     else if (req.param == kRowsPush && (!(req.lr >= 0) || !std::isfinite(req.lr)))
       bad = "the learning rate must be finite and >= 0";
+    else if (req.table_after >= 0 && !pull)
+      bad = "only a table pull can be a prefetch (after a number of pushes)";
     else if (pull && (req.sparse_bytes % 8 != 0 || req.sparse_bytes > kMaxBodyLen))
       bad = std::to_string(req.sparse_bytes) + " bytes are not whole 8-byte ids within the frame limit";
     else if (!pull && (req.sparse_bytes % row != 0 || req.sparse_bytes > kMaxBodyLen))

@@ -121,3 +121,40 @@ def test_table_specs_are_checked_before_they_travel():
                               table="init=zeros seed=0 optimizer=adam eps=1e-08 beta1=0.8 beta2=0.99")
         wait(w, ok)
         assert np.frombuffer(w.take_sparse_result(ok), np.float32).size == 2 * WIDTH
+
+
+def test_a_table_prefetch_is_answered_at_once_and_refreshed_by_the_push_it_follows():
+    """A prefetch asked while its push's round is open gets, at once, the rows that round
+    has not touched; the push's answer to that worker brings the rest, updated. A
+    prefetch more than one push ahead, or of a table push, is refused."""
+    spec = "init=zeros seed=0 optimizer=sgd"
+    ids = np.array([1, 2, 5], np.int64)
+    with InProcessCluster(2, 1) as c:
+        a, b = c.workers
+        first = [w.enqueue_sparse("pf.table0", WIDTH, ids.view(np.uint8), 0, param=4, table=spec) for w in (a, b)]
+        for w, h in zip((a, b), first):  # both ranks declared the table
+            wait(w, h)
+        grads = _sparse.encode(np.array([2]), np.ones((1, WIDTH), np.float32))
+        push_a = a.enqueue_sparse("pf.table0", WIDTH, grads, 0, param=5, lr=0.5, table=spec)
+        ahead = a.enqueue_sparse("pf.table0", WIDTH, ids.view(np.uint8), 0, param=4, table=spec, after=1)
+        wait(a, ahead)  # answered before b pushed: the round is open
+        now_ids, now_rows = _sparse.decode(a.take_sparse_result(ahead), WIDTH, ROWS)
+        # Row 2 (pushed into the open round) is held back — unless the server saw the
+        # prefetch first; every row it sent now is still zeros.
+        assert set(now_ids) <= {1, 2, 5} and {1, 5} <= set(now_ids) and not now_rows.any()
+        push_b = b.enqueue_sparse("pf.table0", WIDTH, _sparse.encode(np.array([7]), np.ones((1, WIDTH), np.float32)),
+                                  0, param=5, lr=0.5, table=spec)
+        wait(a, push_a)
+        wait(b, push_b)
+        later_ids, later_rows = _sparse.decode(a.take_sparse_result(push_a), WIDTH, ROWS)
+        assert list(later_ids) == [2] and np.all(later_rows == -0.25)  # -lr * (1 + 0) / 2
+        assert b.take_sparse_result(push_b) == b""  # b asked for nothing
+        too_far = a.enqueue_sparse("pf.table0", WIDTH, ids.view(np.uint8), 0, param=4, table=spec, after=3)
+        with pytest.raises(BpsError, match="only the last push may still be in flight"):
+            wait(a, too_far)
+        with pytest.raises(ConfigError, match="only a table pull can be a prefetch"):
+            a.enqueue_sparse("pf.table0", WIDTH, grads, 0, param=5, lr=0.5, table=spec, after=1)
+        fresh = a.enqueue_sparse("pf.table0", WIDTH, ids.view(np.uint8), 0, param=4, table=spec, after=1)
+        wait(a, fresh)  # the push it follows is applied: every row, now
+        fresh_ids, fresh_rows = _sparse.decode(a.take_sparse_result(fresh), WIDTH, ROWS)
+        assert list(fresh_ids) == [1, 2, 5] and np.all(fresh_rows[1] == -0.25) and not fresh_rows[[0, 2]].any()

@@ -15,20 +15,23 @@ pytestmark = pytest.mark.usefixtures("standalone_engine")  # rank 0 of 1: the ta
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
-def test_a_single_process_table_trains_like_a_local_embedding_bag(optimizer):
+def test_a_single_process_table_trains_like_a_local_embedding_bag(optimizer, prefetch):
     rows, width, lr = 50, 3, 0.2
-    bag = bps.ServerEmbeddingBag(rows, width, name=f"local.{optimizer}", mode="sum", optimizer=optimizer,
+    bag = bps.ServerEmbeddingBag(rows, width, name=f"local.{optimizer}.{prefetch}", mode="sum", optimizer=optimizer,
                                  lr=lr, init_scale=0.5, seed=4)
     ref = torch.nn.Parameter(torch.from_numpy(initial_rows(np.arange(rows), width, 0.5, 4)))
     opt = {"sgd": lambda: torch.optim.SGD([ref], lr=lr),
            "adagrad": lambda: torch.optim.Adagrad([ref], lr=lr, eps=1e-10),
            "adam": lambda: torch.optim.SparseAdam([ref], lr=lr)}[optimizer]()
     g = torch.Generator().manual_seed(0)
-    for _ in range(5):
-        ids = torch.randint(0, rows, (12,), generator=g)
+    batches = [torch.randint(0, rows, (12,), generator=g) for _ in range(5)]
+    for step, ids in enumerate(batches):
         offsets = torch.tensor([0, 5, 9])
         out = bag(ids, offsets)
+        if prefetch and step + 1 < len(batches):  # taken by the next forward, after this push
+            bag.prefetch(batches[step + 1])
         want = F.embedding_bag(ids, ref, offsets, mode="sum", sparse=optimizer == "adam")
         torch.testing.assert_close(out, want.detach(), rtol=1e-6, atol=1e-6)
         (out ** 2).sum().backward()

@@ -20,9 +20,11 @@ def _batch(rank, step):
     return ids, torch.arange(0, 24, 4), coef
 
 
-def _train_against_reference(layer, optimizer, lookup):
+def _train_against_reference(layer, optimizer, lookup, prefetch=False):
     """Steps ``layer`` (lookup(module_or_weight, ids, offsets)) next to a local replay;
-    returns the largest difference seen."""
+    returns the largest difference seen. With ``prefetch``, each step's forward is
+    followed by ``layer.prefetch`` of the next step's ids (pulled once the push starts,
+    kept across the evaluation forward in between)."""
     r, n = bps.rank(), bps.size()
     ref = torch.nn.Parameter(torch.from_numpy(initial_rows(np.arange(ROWS), WIDTH, SCALE, SEED)))
     ref_opt = {"sgd": lambda: torch.optim.SGD([ref], lr=LR),
@@ -35,6 +37,8 @@ def _train_against_reference(layer, optimizer, lookup):
         want = lookup(ref, ids, offsets).detach()
         worst = max(worst, float((out.detach() - want).abs().max()))
         torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-6)
+        if prefetch:
+            layer.prefetch(_batch(r, step + 1)[0])
         (out * coef[: out.shape[0]]).sum().backward()  # pushes this rank's rows' gradients
         with torch.no_grad():  # an evaluation pull in between (every rank): no push
             layer.eval()
@@ -68,6 +72,12 @@ def check_server_embedding_bag_with_sgd_trains_like_one_process():
     return _train_against_reference(bag, "sgd", _bag_lookup("mean"))
 
 
+def check_prefetched_server_embedding_bag_with_sgd_trains_like_one_process():
+    bag = bps.ServerEmbeddingBag(ROWS, WIDTH, name="check.emb.bag.ahead", mode="mean", lr=LR, init_scale=SCALE,
+                                 seed=SEED)
+    return _train_against_reference(bag, "sgd", _bag_lookup("mean"), prefetch=True)
+
+
 def check_server_embedding_bag_with_adam_trains_like_sparse_adam():
     """Adam on the servers against torch.optim.SparseAdam on the averaged sparse gradient:
     moments of the touched rows only, bias correction by the table's step count."""
@@ -87,6 +97,72 @@ def check_server_embedding_with_adagrad_trains_like_one_process():
         return layer(ids).sum(1)
 
     return _train_against_reference(emb, "adagrad", lookup)
+
+
+def check_prefetched_server_embedding_with_adagrad_trains_like_one_process():
+    emb = bps.ServerEmbedding(ROWS, WIDTH, name="check.emb.plain.ahead", optimizer="adagrad", lr=LR,
+                              init_scale=SCALE, seed=SEED)
+
+    def lookup(layer, ids, offsets):
+        ids = ids.view(-1, 4)
+        if isinstance(layer, torch.Tensor):
+            return F.embedding(ids, layer).sum(1)
+        return layer(ids).sum(1)
+
+    return _train_against_reference(emb, "adagrad", lookup, prefetch=True)
+
+
+def check_a_prefetch_during_the_push_gets_the_rows_that_push_changed():
+    """Rank 0 prefetches while the last rank has not pushed yet (it waits 0.5 s), so the
+    servers send the rows rank 0 pushed later, with the push's answer, and the rows the
+    last rank pushes too: every rank's prefetched rows equal a pull after the push."""
+    import time
+
+    from bpstrain.embedding_table import EmbeddingTable
+
+    r, n = bps.rank(), bps.size()
+    table = EmbeddingTable("check.emb.prefetch", 50, 3, optimizer="sgd", init_scale=0.5, seed=9)
+    ids = np.array([1, 2, 3, 10 + r, 20])  # 1-3 and 20: every rank's; 10+r: its own
+    table.pull(ids)
+    if r == n - 1:
+        time.sleep(0.5)
+    table.push_async(ids, np.full((5, 3), r + 1.0, np.float32), lr=0.1)
+    ahead = table.prefetch(np.array([2, 3, 4, 10, 10 + r, 11, 30, 2]))  # duplicates, untouched rows
+    got = table.take(ahead)
+    assert not table._unwaited and ahead.refresh is not None  # take waited for the push
+    if r == 0:  # the round was still open: the rows it changed came with its answer
+        assert any(len(blob) for blob in ahead.refresh), ahead.refresh
+    want = table.pull(np.array([2, 3, 4, 10, 10 + r, 11, 30, 2]))
+    np.testing.assert_array_equal(got, want)
+    initial = initial_rows(np.array([2, 4, 30]), 3, 0.5, 9)
+    mean = np.float32(sum(k + 1.0 for k in range(n)) / n)
+    np.testing.assert_allclose(got[[0, 2, 6]], initial - np.float32(0.1) * np.array([[mean], [0], [0]], np.float32),
+                               rtol=1e-6)
+
+
+def check_a_prefetch_refuses_an_earlier_push_not_waited_for():
+    from bpstrain.embedding_table import EmbeddingTable
+
+    table = EmbeddingTable("check.emb.prefetch.order", 50, 3)
+    first = table.push_async(np.array([1]), np.ones((1, 3), np.float32), lr=0.1)
+    ahead = table.prefetch(np.array([1, 2]))
+    try:
+        table.prefetch(np.array([3]))
+        raise AssertionError("a second prefetch during the same push was accepted")
+    except RuntimeError as e:
+        assert "second prefetch" in str(e), e
+    table.discard(ahead)
+    table.wait(first)
+    second = table.push_async(np.array([1]), np.ones((1, 3), np.float32), lr=0.1)
+    third = table.push_async(np.array([2]), np.ones((1, 3), np.float32), lr=0.1)
+    try:
+        table.prefetch(np.array([1]))
+        raise AssertionError("a prefetch with an earlier push not waited for was accepted")
+    except RuntimeError as e:
+        assert "earlier push" in str(e), e
+    table.wait(second)
+    table.wait(third)
+    np.testing.assert_allclose(table.take(table.prefetch(np.array([1, 2]))), [[-0.2] * 3, [-0.1] * 3], rtol=1e-6)
 
 
 def check_adam_counts_every_step_also_on_shards_without_rows():
