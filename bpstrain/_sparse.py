@@ -44,8 +44,9 @@ def encode(ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
                            np.ascontiguousarray(rows, np.float32).view(np.uint8).reshape(-1)])
 
 
-def decode(blob: bytes, width: int, num_rows: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Checks and unpacks an answer (it came off the network)."""
+def decode(blob: bytes, width: int, num_rows: int, copy: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+    """Checks and unpacks an answer (it came off the network); ``copy=False`` gives
+    read-only views of ``blob``."""
     row_bytes = 8 + 4 * width
     if len(blob) % row_bytes:
         raise ValueError(f"a sparse answer of {len(blob)} bytes is not whole rows of width {width}")
@@ -55,7 +56,8 @@ def decode(blob: bytes, width: int, num_rows: int) -> Tuple[np.ndarray, np.ndarr
     if count and (ids[0] < 0 or ids[-1] >= num_rows or np.any(np.diff(ids) <= 0)):
         raise ValueError("a sparse answer whose ids are not ascending within "
                          f"[0, {num_rows})")
-    return ids.copy(), raw[count * 8:].view(np.float32).reshape(count, width).copy()
+    rows = raw[count * 8:].view(np.float32).reshape(count, width)
+    return (ids.copy(), rows.copy()) if copy else (ids, rows)
 
 
 def _num_shards() -> int:
@@ -99,7 +101,7 @@ def finish(pending: Pending) -> Tuple[np.ndarray, np.ndarray]:
     """Waits for a started push_pull; returns ``(ids, rows)`` of the union."""
     if not pending.handles:  # a single process: its own rows
         return pending.ids, pending.rows
-    parts = [decode(engine.synchronize(h), pending.width, pending.num_rows) for h in pending.handles]
+    parts = [decode(engine.synchronize(h), pending.width, pending.num_rows, copy=False) for h in pending.handles]
     out_ids = np.concatenate([p[0] for p in parts])
     out_rows = np.concatenate([p[1] for p in parts]).reshape(-1, pending.width)
     order = np.argsort(out_ids, kind="stable")

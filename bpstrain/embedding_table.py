@@ -167,7 +167,11 @@ class EmbeddingTable:
         no longer change, and the rest (the rows it changes) with the push's answer, so
         the next batch's rows travel while this step's gradients do. A prefetch must follow
         the previous push's :meth:`wait` or :meth:`take`: only the last push may be in flight."""
-        unique, inverse = np.unique(self.check_ids(ids), return_inverse=True)
+        ids = self.check_ids(ids)
+        if ids.size < 2 or bool(np.all(ids[1:] > ids[:-1])):  # unique already (the layers')
+            unique, inverse = ids, None
+        else:
+            unique, inverse = np.unique(ids, return_inverse=True)
         ahead = Prefetch(unique, inverse, self._pushes)
         if any(n < self._pushes for n in self._unwaited):
             raise RuntimeError(f"table {self.name!r}: a prefetch while an earlier push is not waited for "
@@ -194,7 +198,7 @@ class EmbeddingTable:
             raise RuntimeError(f"table {self.name!r}: this prefetch was taken already")
         ahead.taken = True
         if self._local is not None:
-            return self._local.read(ahead.unique)[ahead.inverse]
+            return ahead.in_order(self._local.read(ahead.unique))
         if ahead.after in self._unwaited:
             self.wait(self._unwaited[ahead.after])
         answers = [engine.synchronize(handle) for _, handle in ahead.shards]
@@ -207,7 +211,7 @@ class EmbeddingTable:
         for (mine, _), now, later in zip(ahead.shards, answers, ahead.refresh):
             asked = ahead.unique[mine]
             for blob in (now, later):  # rows as the prefetch found them, then as the push left them
-                got_ids, got_rows = decode(blob, self.width, self.num_rows)
+                got_ids, got_rows = decode(blob, self.width, self.num_rows, copy=False)
                 at = np.searchsorted(asked, got_ids)
                 if got_ids.size and (at[-1] >= asked.size or np.any(asked[np.minimum(at, asked.size - 1)] != got_ids)):
                     raise ValueError(f"table {self.name!r}: a prefetch answer with rows that were not asked for")
@@ -215,7 +219,7 @@ class EmbeddingTable:
                 filled[mine[at]] = True
         if not filled.all():
             raise ValueError(f"table {self.name!r}: the servers left {int((~filled).sum())} rows of a prefetch unanswered")
-        return rows[ahead.inverse]
+        return ahead.in_order(rows)
 
     def discard(self, ahead: "Prefetch") -> None:
         """Drops a :meth:`prefetch` that will not be taken (its operations still finish)."""
@@ -231,11 +235,15 @@ class Prefetch:
     """A started :meth:`EmbeddingTable.prefetch`: the unique ids asked, per shard the
     positions among them and the engine handle, and the number of the push it follows."""
 
-    def __init__(self, unique: np.ndarray, inverse: np.ndarray, after: int):
+    def __init__(self, unique: np.ndarray, inverse: Optional[np.ndarray], after: int):
         self.unique, self.inverse, self.after = unique, inverse, after
         self.shards: List[Tuple[np.ndarray, int]] = []
         self.refresh: Optional[List[bytes]] = None  # the answers of the push it follows, per shard
         self.taken = False
+
+    def in_order(self, rows: np.ndarray) -> np.ndarray:
+        """Rows of the unique ids, in the order of the ids asked."""
+        return rows if self.inverse is None else rows[self.inverse]
 
 
 class _LocalRows:
