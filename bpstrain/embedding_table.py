@@ -149,8 +149,8 @@ class EmbeddingTable:
         return handles
 
     def wait(self, handles: List[int]) -> None:
-        """Waits for a :meth:`push_async`."""
-        number = next((n for n, h in self._unwaited.items() if h is handles), None)
+        """Waits for a :meth:`push_async` (the handles it returned)."""
+        number = next((n for n, h in self._unwaited.items() if list(h) == list(handles)), None)
         answers = [engine.synchronize(handle) for handle in handles]
         if number is None:
             return
