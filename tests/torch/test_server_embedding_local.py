@@ -76,3 +76,35 @@ def test_bad_arguments_and_ids_raise_clear_errors():
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="a second backward before the next forward"):
         out.sum().backward()
+
+
+@pytest.mark.timeout(30)
+def test_a_prefetch_answer_from_the_servers_is_checked_before_its_rows_are_used(monkeypatch):
+    """take() trusts nothing the servers sent: rows of ids not asked, or ids left without
+    a row, raise; the push's refresh overrides what the prefetch's answer said."""
+    from bpstrain import _sparse, embedding_table
+    from bpstrain.embedding_table import EmbeddingTable, Prefetch
+
+    monkeypatch.setattr(EmbeddingTable, "_local", property(lambda self: None))  # as if servers kept it
+    table = EmbeddingTable("checked.prefetch", 100, 2)
+    blobs = {}
+    monkeypatch.setattr(embedding_table.engine, "synchronize", lambda handle: blobs[handle])
+
+    def started(answer, refresh=b""):
+        ahead = Prefetch(np.array([3, 5, 8]), None, after=1)
+        ahead.shards = [(np.arange(3), 7)]
+        ahead.refresh = [refresh]
+        blobs[7] = answer
+        return ahead
+
+    rows = lambda ids, v: _sparse.encode(np.array(ids), np.full((len(ids), 2), v, np.float32)).tobytes()
+    got = table.take(started(rows([3, 5, 8], 1.0), refresh=rows([5], 2.0)))
+    np.testing.assert_array_equal(got, [[1, 1], [2, 2], [1, 1]])
+    got = table.take(started(rows([3, 8], 1.0), refresh=rows([5], 2.0)))  # held back, sent with the push
+    np.testing.assert_array_equal(got, [[1, 1], [2, 2], [1, 1]])
+    with pytest.raises(ValueError, match="rows that were not asked for"):
+        table.take(started(rows([3, 4, 5, 8], 1.0)))
+    with pytest.raises(ValueError, match="left 1 rows of a prefetch unanswered"):
+        table.take(started(rows([3, 8], 1.0)))
+    with pytest.raises(ValueError, match="not ascending"):
+        table.take(started(rows([8, 3], 1.0)))
