@@ -66,6 +66,14 @@ def _bag_lookup(mode, sparse=False):
     return lookup
 
 
+def _plain_lookup(layer, ids, offsets):
+    """ServerEmbedding (or the reference weight) over ids in bags of 4, summed."""
+    ids = ids.view(-1, 4)
+    if isinstance(layer, torch.Tensor):
+        return F.embedding(ids, layer).sum(1)
+    return layer(ids).sum(1)
+
+
 def check_server_embedding_bag_with_sgd_trains_like_one_process():
     bag = bps.ServerEmbeddingBag(ROWS, WIDTH, name="check.emb.bag", mode="mean", lr=LR, init_scale=SCALE,
                                  seed=SEED)
@@ -90,26 +98,14 @@ def check_server_embedding_with_adagrad_trains_like_one_process():
     emb = bps.ServerEmbedding(ROWS, WIDTH, name="check.emb.plain", optimizer="adagrad", lr=LR,
                               init_scale=SCALE, seed=SEED)
 
-    def lookup(layer, ids, offsets):
-        ids = ids.view(-1, 4)
-        if isinstance(layer, torch.Tensor):
-            return F.embedding(ids, layer).sum(1)
-        return layer(ids).sum(1)
-
-    return _train_against_reference(emb, "adagrad", lookup)
+    return _train_against_reference(emb, "adagrad", _plain_lookup)
 
 
 def check_prefetched_server_embedding_with_adagrad_trains_like_one_process():
     emb = bps.ServerEmbedding(ROWS, WIDTH, name="check.emb.plain.ahead", optimizer="adagrad", lr=LR,
                               init_scale=SCALE, seed=SEED)
 
-    def lookup(layer, ids, offsets):
-        ids = ids.view(-1, 4)
-        if isinstance(layer, torch.Tensor):
-            return F.embedding(ids, layer).sum(1)
-        return layer(ids).sum(1)
-
-    return _train_against_reference(emb, "adagrad", lookup, prefetch=True)
+    return _train_against_reference(emb, "adagrad", _plain_lookup, prefetch=True)
 
 
 def check_a_prefetch_during_the_push_gets_the_rows_that_push_changed():
