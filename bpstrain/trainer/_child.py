@@ -1,6 +1,6 @@
 """Entry point of a worker process that a notebook-side ``fit`` starts.
 
-Messages to the parent (one multiprocessing queue shared by all ranks):
+Messages to the parent (each rank's own pipe, :class:`bpstrain.trainer._local_cluster.Outbox`):
 
 * ``("progress", method, args, kwargs)`` -- rank 0's progress-bar calls;
 * ``("print", rank, stream, line)`` -- a line the worker printed (shown in the notebook,
@@ -98,7 +98,7 @@ def main(rank: int, env: Dict[str, str], payload: str, queue,
         rank: This worker's index (its ``DMLC_WORKER_ID`` / local rank come with ``env``).
         env: The cluster variables (``DMLC_*``, ``BYTEPS_*``, ``BPSTRAIN_*``).
         payload: Path of the cloudpickled ``(config, callbacks, model, data, val_data)``.
-        queue: The parent's message queue.
+        queue: This rank's end of its message pipe to the parent (``put(msg)``).
         parent_pid: The parent's pid (None under forkserver), for the parent-death signal.
     """
     # Own session: a terminal's Ctrl-C reaches only the parent, which stops us in order,
@@ -140,13 +140,12 @@ def main(rank: int, env: Dict[str, str], payload: str, queue,
     except BaseException as exc:  # noqa: BLE001 -- everything goes to the parent
         sys.stdout.flush()
         sys.stderr.flush()
+        # In the pipe once put returns, so the parent gets the root cause after we exit.
         queue.put(("error", rank, type(exc).__name__, str(exc), traceback.format_exc(),
                    _pickle_exception(exc)))
         queue.close()
-        queue.join_thread()  # flushed before we exit, so the parent gets the root cause
         sys.exit(1)
     queue.close()
-    queue.join_thread()
 
 
 def _pickle_exception(exc: BaseException):

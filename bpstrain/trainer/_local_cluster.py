@@ -37,37 +37,76 @@ _GRACE_S = 3.0
 _ROOT_CAUSE_WAIT_S = 2.0  # after a peer error, how long to wait for the failing rank's own
 
 
+class Outbox:
+    """A worker's end of its message pipe to the parent: ``put`` sends one message whole.
+
+    A send writes straight into the pipe (no feeder thread to flush at exit); a lock keeps
+    messages of the worker's threads (progress bar, printed lines) from interleaving. It
+    pickles into the worker process with the pipe's descriptor, lock made afresh."""
+
+    def __init__(self, conn):
+        self._conn, self._lock = conn, threading.Lock()
+
+    def __getstate__(self):
+        return {"conn": self._conn}
+
+    def __setstate__(self, state):
+        self._conn, self._lock = state["conn"], threading.Lock()
+
+    def put(self, msg) -> None:
+        with self._lock:
+            self._conn.send(msg)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
 class _Inbox:
-    """The workers' messages: one multiprocessing queue per worker process, read in order
-    by a thread each into one local queue, which the parent reads.
+    """The workers' messages: one pipe per worker process, read in order by a thread each
+    into one local queue, which the parent reads.
 
     One queue shared by every worker is not safe under fault tolerance: a worker that dies
     in the middle of a put (SIGKILL, ``os._exit``) never releases the queue's write lock,
     and every other worker's put, and its exit (which flushes the queue), then waits for
     ever (CI: rank 0 exiting at its first batch hung the two that finished training). A
-    message cut short by its writer's death only stalls that worker's own thread."""
+    multiprocessing queue per worker is not enough either: the parent holds the queue's
+    write end too, so a message cut short by its writer's death leaves the reading thread
+    waiting for the rest for ever. Here the parent closes its copy of each write end once
+    the worker has started, so the worker's death is an end of file: its thread stops,
+    with what came before delivered."""
 
     def __init__(self, ctx):
         self._ctx = ctx
         self._merged: queue_mod.Queue = queue_mod.Queue()
-        self._queues: list = []
+        self._readers: list = []
+        self._threads: list = []
         self._closed = threading.Event()
 
-    def new_queue(self):
-        """A queue for one worker process to send on."""
-        q = self._ctx.Queue()
-        self._queues.append(q)
-        threading.Thread(target=self._forward, args=(q,), daemon=True, name="bpstrain-fit-inbox").start()
-        return q
+    def new_queue(self) -> Outbox:
+        """A worker process's end to send on; call :meth:`started` with it once the
+        process has started."""
+        reader, writer = self._ctx.Pipe(duplex=False)
+        self._readers.append(reader)
+        thread = threading.Thread(target=self._forward, args=(reader,), daemon=True,
+                                  name="bpstrain-fit-inbox")
+        thread.start()
+        self._threads.append(thread)
+        return Outbox(writer)
 
-    def _forward(self, q) -> None:
+    @staticmethod
+    def started(outbox: Outbox) -> None:
+        """The worker holds its own copy of ``outbox`` now: drops the parent's, so that
+        the worker's exit ends its pipe."""
+        outbox.close()
+
+    def _forward(self, reader) -> None:
         while not self._closed.is_set():
             try:
-                msg = q.get(timeout=_POLL_S)
-            except queue_mod.Empty:
-                continue
+                if not reader.poll(_POLL_S):
+                    continue
+                msg = reader.recv()
             except (EOFError, OSError, ValueError, pickle.UnpicklingError):
-                return  # closed by close(), or a message its writer did not finish
+                return  # the worker's end is closed (it exited, mid-message or not), or close()
             self._merged.put(msg)
 
     def get(self, timeout: float):
@@ -76,9 +115,10 @@ class _Inbox:
 
     def close(self) -> None:
         self._closed.set()
-        for q in self._queues:
-            q.close()
-            q.cancel_join_thread()  # never block on a queue nobody reads any more
+        for thread in self._threads:
+            thread.join(timeout=2 * _POLL_S)  # each wakes from its poll within _POLL_S
+        for reader in self._readers:
+            reader.close()
 
 
 class WorkerError(BpsError):
@@ -221,9 +261,13 @@ class LocalClusterLauncher:
         env = {k: v for k, v in self.services.worker_env(rank).items() if k.startswith(_CLUSTER_VARS)}
         if restart:
             env["BPSTRAIN_RESTART"] = str(restart)
-        proc = ctx.Process(target=main, args=(rank, env, payload, messages.new_queue(), parent_pid),
+        outbox = messages.new_queue()
+        proc = ctx.Process(target=main, args=(rank, env, payload, outbox, parent_pid),
                            name=f"bpstrain-worker-{rank}")
-        proc.start()
+        try:
+            proc.start()
+        finally:
+            messages.started(outbox)
         return proc
 
     def _supervise(self, messages, sink) -> Dict[int, Dict[str, Any]]:

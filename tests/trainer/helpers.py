@@ -257,3 +257,20 @@ class ExitAndRejoin(Callback):
             time.sleep(3)
         else:
             time.sleep(0.25)
+
+
+def send_messages(outbox, count: int) -> None:
+    """A worker-process target: ``count`` whole messages to the parent, then a clean exit."""
+    for i in range(count):
+        outbox.put(("print", 1, "stdout", f"line {i}"))
+    outbox.close()
+
+
+def send_then_die_mid_message(outbox) -> None:
+    """A worker-process target: one whole message, then the first bytes of one that says
+    it is 1,000 bytes long, then death (as a SIGKILL mid-``put`` leaves a pipe)."""
+    import struct
+
+    outbox.put(("print", 0, "stdout", "whole"))
+    os.write(outbox._conn.fileno(), struct.pack("!i", 1000) + b"cut short")
+    os._exit(3)

@@ -6,8 +6,11 @@ interpreter, started by any spawn) is not a worker and is not counted.
 """
 
 import json
+import multiprocessing
 import os
+import queue
 import socket
+import time
 from pathlib import Path
 
 import psutil
@@ -16,8 +19,10 @@ import torch
 
 from bpstrain.launch import free_port
 from bpstrain.trainer import RemoteTraceback, Trainer
+from bpstrain.trainer._local_cluster import _Inbox
 from bpstrain.trainer.callbacks import find_last_checkpoint, read_checkpoint
 from bpstrain.errors import PeerError
+from tests.trainer import helpers
 from tests.trainer.helpers import (DieWritingCheckpoint, ExitAndRejoin, ExitWorker, SeenSamples, FailingModule, InterruptParent, Recorder,
                                    base_config, blobs, tiny_net)
 
@@ -49,6 +54,33 @@ def _cluster_config(tmp_path, **extra):
 
 
 @pytest.mark.timeout(120)
+def test_a_worker_dying_mid_message_delivers_what_it_sent_and_frees_its_reader():
+    # The parent holds no write end of a worker's pipe once the worker has started, so a
+    # message cut short by the worker's death is an end of file, not a read for ever.
+    ctx = multiprocessing.get_context("spawn")
+    inbox = _Inbox(ctx)
+    try:
+        cut, whole = inbox.new_queue(), inbox.new_queue()
+        procs = [ctx.Process(target=helpers.send_then_die_mid_message, args=(cut,)),
+                 ctx.Process(target=helpers.send_messages, args=(whole, 3))]
+        for proc, outbox in zip(procs, (cut, whole)):
+            proc.start()
+            inbox.started(outbox)
+        got = sorted(inbox.get(timeout=60)[3] for _ in range(4))
+        assert got == ["line 0", "line 1", "line 2", "whole"]
+        for proc in procs:
+            proc.join(60)
+        assert [proc.exitcode for proc in procs] == [3, 0]
+        deadline = time.monotonic() + 10
+        while any(t.is_alive() for t in inbox._threads) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(t.is_alive() for t in inbox._threads), "a reader still waits on a dead worker"
+        with pytest.raises(queue.Empty):
+            inbox.get(timeout=0.1)  # the cut message is not delivered half-read
+    finally:
+        inbox.close()
+
+
 def test_two_worker_fit_returns_history_weights_and_timeline(tmp_path, capsys):
     x, y = blobs(256)
     model = tiny_net()
