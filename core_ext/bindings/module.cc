@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <optional>
 #include <set>
 
 #include "../src/affinity.h"
@@ -23,6 +24,7 @@
 #include "../src/server_handler.h"
 #include "../src/transport.h"
 #include "../src/tuning.h"
+#include "../src/ucx_context.h"
 #include "../src/worker.h"
 
 namespace py = pybind11;
@@ -363,6 +365,21 @@ PYBIND11_MODULE(_core, m) {
       "check_transport", [](const std::string& name) { Transport::Get(name); }, py::arg("name"),
       "Starts the transport called name (tcp, inproc, ucx, ucx:<UCX_TLS>) or raises ConfigError "
       "saying why it is unavailable (e.g. no UCX in this build or on this machine).");
+  m.def(
+      "ucx_rules",
+      [](unsigned major, unsigned minor, std::optional<std::string> proto_enable,
+         std::optional<std::string> rndv_thresh, const std::string& tls) {
+        const ucx::ContextRules r = ucx::RulesFor(major, minor, proto_enable ? proto_enable->c_str() : nullptr,
+                                                  rndv_thresh ? rndv_thresh->c_str() : nullptr, tls);
+        py::dict d;
+        d["protocols_v2"] = r.protocols_v2;
+        d["eager_bodies"] = r.eager_bodies;
+        return d;
+      },
+      py::arg("major"), py::arg("minor"), py::arg("proto_enable") = py::none(),
+      py::arg("rndv_thresh") = py::none(), py::arg("tls") = "tcp",
+      "What the ucx transport asks of a UCX major.minor with these UCX_PROTO_ENABLE / "
+      "UCX_RNDV_THRESH values (None: unset) and UCX_TLS: {protocols_v2, eager_bodies}.");
   m.def(
       "connect_raw",
       [](const std::string& transport, const std::string& host, int port, double timeout, bool handshake,

@@ -1,11 +1,42 @@
 #include "ucx_context.h"
 
+#include <cctype>
+
+namespace bps {
+namespace ucx {
+
+ContextRules RulesFor(unsigned major, unsigned minor, const char* proto_enable, const char* rndv_thresh,
+                      const std::string& tls) {
+  ContextRules rules{};
+  if (proto_enable && *proto_enable) {
+    std::string v(proto_enable);
+    for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    rules.protocols_v2 = !(v == "n" || v == "no" || v == "0" || v == "off");
+  } else {
+    rules.protocols_v2 = major > 1 || (major == 1 && minor >= 16);  // UCX 1.16 made them the default
+  }
+  // Over TCP alone, UCX's first protocols (v1: before 1.16, or UCX_PROTO_ENABLE=n) do a
+  // rendezvous as fragments copied in and out, a round trip per frame body (RTS, then the
+  // data) that waits behind the link's queue: with UCX 1.13 on the emulated 4x4 hosts at
+  // 800 Mbit/s, 64 MB push_pulls took 7.85 s with it and 1.54 s sent eagerly. Protocols
+  // v2 (UCX 1.22 measured) write a rendezvous body zero-copy, and there it is the better
+  // choice: one host, flat 64 MB over ucx:tcp 120-134 ms against 222 ms eager; VGG-16 with
+  // CUDA tensors, four workers on one GPU host, 0.82-0.91x TCP against 0.46-0.54x eager;
+  // the emulated hosts 0.91-0.97x either way. So the threshold goes to infinity for v1 only. RDMA transports
+  // keep UCX's threshold (their rendezvous is the zero-copy path), and so does a user who
+  // sets UCX_RNDV_THRESH.
+  rules.eager_bodies = tls == "tcp" && rndv_thresh == nullptr && !rules.protocols_v2;
+  return rules;
+}
+
+}  // namespace ucx
+}  // namespace bps
+
 #ifdef BPS_HAVE_UCX
 
 #include <dlfcn.h>
 #include <poll.h>
 
-#include <cctype>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -74,20 +105,27 @@ const UcpApi& UcpApi::Get() {
 
 std::string Why(const UcpApi& api, ucs_status_t st) { return api.status_string(st); }
 
-bool ProtocolsV2(const UcpApi& api) {
-  unsigned major = 0, minor = 0, release = 0;
-  api.get_version(&major, &minor, &release);
-  const char* env = getenv("UCX_PROTO_ENABLE");
-  if (env && *env) {
-    std::string v(env);
-    for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    return !(v == "n" || v == "no" || v == "0" || v == "off");
-  }
-  return major > 1 || (major == 1 && minor >= 16);  // UCX 1.16 made them the default
-}
-
 namespace {
 std::mutex contexts_mu;
+
+// Settings UCX reads from the environment only, set (where the user has not) while a
+// context and its worker start -- UCX reads its TCP transport's and connection manager's
+// settings when the worker opens them -- and unset after, so that processes this one
+// starts (a user's subprocess, a launcher's children) do not inherit them as their own.
+class ScopedEnvDefaults {
+ public:
+  void Set(const char* name, const std::string& value) {
+    if (getenv(name) != nullptr) return;  // the user's value is kept, and stays
+    setenv(name, value.c_str(), /*overwrite=*/0);
+    set_.push_back(name);
+  }
+  ~ScopedEnvDefaults() {
+    for (const char* name : set_) unsetenv(name);
+  }
+
+ private:
+  std::vector<const char*> set_;
+};
 std::vector<UcxContext*> contexts;  // every context made, for the exit hook
 
 void ExitHook() {
@@ -105,17 +143,9 @@ UcxContext::UcxContext(const std::string& tls) : api(UcpApi::Get()) {
     api.config_release(config);
     throw Error(Error::kConfig, "transport ucx:" + tls + ": UCX refuses TLS=" + tls + ": " + Why(api, st));
   }
-  // Over TCP alone, UCX's first protocols (v1: before 1.16, or UCX_PROTO_ENABLE=n) do a
-  // rendezvous as fragments copied in and out, a round trip per frame body (RTS, then the
-  // data) that waits behind the link's queue: with UCX 1.13 on the emulated 4x4 hosts at
-  // 800 Mbit/s, 64 MB push_pulls took 7.85 s with it and 1.54 s sent eagerly. Protocols
-  // v2 (UCX 1.22 measured) write a rendezvous body zero-copy, and there it is the better
-  // choice: one host, flat 64 MB over ucx:tcp 120-134 ms against 222 ms eager; VGG-16 with
-  // CUDA tensors, four workers on one GPU host, 0.82-0.91x TCP against 0.46-0.54x eager;
-  // the emulated hosts 0.91-0.97x either way. So the threshold goes to infinity for v1 only. RDMA transports
-  // keep UCX's threshold (their rendezvous is the zero-copy path), and so does a user who
-  // sets UCX_RNDV_THRESH.
-  if (tls == "tcp" && getenv("UCX_RNDV_THRESH") == nullptr && !ProtocolsV2(api))
+  unsigned major = 0, minor = 0, release = 0;
+  api.get_version(&major, &minor, &release);
+  if (RulesFor(major, minor, getenv("UCX_PROTO_ENABLE"), getenv("UCX_RNDV_THRESH"), tls).eager_bodies)
     api.config_modify(config, "RNDV_THRESH", "inf");
   // The worker is shared by every I/O thread (UCS_THREAD_MODE_MULTI), and UCX guards it
   // with a spinlock by default: threads posting sends spin while the progress thread
@@ -123,10 +153,11 @@ UcxContext::UcxContext(const std::string& tls) : api(UcpApi::Get()) {
   // hosts at 800 Mbit/s, 64 MB, two cores: 38% of all CPU in pthread_spin_lock, 1.73 s;
   // with a mutex 0.80 s). A user's UCX_USE_MT_MUTEX is kept.
   if (getenv("UCX_USE_MT_MUTEX") == nullptr) api.config_modify(config, "USE_MT_MUTEX", "y");
+  ScopedEnvDefaults env;  // until the worker has started (below)
   // As TCP listeners do (SO_REUSEADDR): a scheduler that serves one job after another
   // listens again on its port while the last job's connections linger in TIME_WAIT. A
-  // setting of UCX's TCP connection manager, read from the environment only.
-  setenv("UCX_TCP_CM_REUSEADDR", "y", /*overwrite=*/0);
+  // setting of UCX's TCP connection manager.
+  env.Set("UCX_TCP_CM_REUSEADDR", "y");
   // UCX's TCP sockets get the TCP transport's small kernel send buffer (kProbeSendBuffer,
   // what its auto rule gives an 800 Mbit/s link shared by four peers), for the same reason:
   // with autotuned megabytes per socket the engine's credit and partition order only
@@ -135,8 +166,7 @@ UcxContext::UcxContext(const std::string& tls) : api(UcpApi::Get()) {
   // 155-163 ms. UCX fixes it for every socket when the context starts, before any link is
   // measured, so a long fat link (one rtt of more than ~1 ms at full rate) wants a larger
   // UCX_TCP_SNDBUF of the user's, which is kept.
-  const std::string sndbuf = std::to_string(kProbeSendBuffer);
-  setenv("UCX_TCP_SNDBUF", sndbuf.c_str(), /*overwrite=*/0);
+  env.Set("UCX_TCP_SNDBUF", std::to_string(kProbeSendBuffer));
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_STREAM | UCP_FEATURE_WAKEUP;

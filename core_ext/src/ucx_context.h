@@ -4,6 +4,24 @@
 // shares. ucx_transport.cc builds links, listeners and the transport on top.
 #pragma once
 
+#include <string>
+
+namespace bps {
+namespace ucx {
+
+// What the transport asks of a UCP context for UCX_TLS=tls, decided from UCX's version
+// and the user's UCX_PROTO_ENABLE / UCX_RNDV_THRESH (null where unset). Pure, and built
+// with or without UCX, so tests pin both sides of the version rule with one library.
+struct ContextRules {
+  bool protocols_v2;  // UCX's protocols v2 run (the default from 1.16; UCX_PROTO_ENABLE decides where set)
+  bool eager_bodies;  // RNDV_THRESH=inf: every frame body goes eagerly (v1 over TCP alone)
+};
+ContextRules RulesFor(unsigned major, unsigned minor, const char* proto_enable, const char* rndv_thresh,
+                      const std::string& tls);
+
+}  // namespace ucx
+}  // namespace bps
+
 #ifdef BPS_HAVE_UCX
 
 #include <ucp/api/ucp.h>
@@ -52,10 +70,6 @@ struct UcpApi {
 };
 
 std::string Why(const UcpApi& api, ucs_status_t st);
-
-// Whether this UCX runs its protocols v2 (the default from 1.16; UCX_PROTO_ENABLE decides
-// where set), whose rendezvous over TCP writes the body zero-copy.
-bool ProtocolsV2(const UcpApi& api);
 
 // One UCP context and worker per transport name, and the thread that progresses it: every
 // completion and callback of this process's UCX links runs there. Other threads post

@@ -49,6 +49,49 @@ def test_a_malformed_ucx_name_is_a_config_error():
         _core.check_transport("rdma")
 
 
+@pytest.mark.parametrize("version,proto_enable,rndv_thresh,tls,v2,eager", [
+    ((1, 13), None, None, "tcp", False, True),     # protocols v1: bodies eager over TCP
+    ((1, 15), None, None, "tcp", False, True),
+    ((1, 16), None, None, "tcp", True, False),     # v2 the default: UCX's rendezvous
+    ((1, 22), None, None, "tcp", True, False),
+    ((2, 0), None, None, "tcp", True, False),
+    ((1, 22), "n", None, "tcp", False, True),      # the user's UCX_PROTO_ENABLE decides
+    ((1, 22), "OFF", None, "tcp", False, True),
+    ((1, 22), "0", None, "tcp", False, True),
+    ((1, 13), "y", None, "tcp", True, False),
+    ((1, 13), "", None, "tcp", False, True),       # empty is unset
+    ((1, 13), None, "8k", "tcp", False, False),    # the user's UCX_RNDV_THRESH is kept
+    ((1, 13), None, None, "sm,tcp", False, False),  # lists beyond TCP keep UCX's threshold
+    ((1, 13), None, None, "", False, False),       # UCX picks
+])
+def test_frame_bodies_go_eagerly_only_with_protocols_v1_over_tcp_alone(version, proto_enable, rndv_thresh,
+                                                                       tls, v2, eager):
+    assert _core.ucx_rules(*version, proto_enable, rndv_thresh, tls) == \
+        {"protocols_v2": v2, "eager_bodies": eager}
+
+
+@needs_ucx
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("users_sndbuf", [None, "262144"])
+def test_the_transport_s_ucx_settings_do_not_leak_into_child_processes(users_sndbuf):
+    # The engine sets UCX_TCP_SNDBUF and UCX_TCP_CM_REUSEADDR for its own context only; a
+    # process it starts afterwards sees the user's environment, a user's value untouched.
+    code = textwrap.dedent("""
+        import subprocess
+        from bpstrain import _core
+        _core.check_transport("ucx:tcp")
+        print(subprocess.run(["env"], capture_output=True, text=True, check=True).stdout)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_TCP_")}
+    if users_sndbuf:
+        env["UCX_TCP_SNDBUF"] = users_sndbuf
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env)
+    assert out.returncode == 0, out.stderr
+    child = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+    assert "UCX_TCP_CM_REUSEADDR" not in child
+    assert child.get("UCX_TCP_SNDBUF") == users_sndbuf
+
+
 @pytest.mark.timeout(60)
 def test_without_libucp_the_error_says_what_to_install():
     code = "from bpstrain import _core\n_core.check_transport('ucx')"
