@@ -25,6 +25,7 @@ push changed come with the push's answer) — the same rows as without the prefe
 from __future__ import annotations
 
 import math
+import warnings
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -53,6 +54,8 @@ class _ServerTableLayer(torch.nn.Module):
         self._ahead: Optional[Prefetch] = None  # the next forward's rows, on their way
         self._prefetch_at_push: Optional[np.ndarray] = None  # ids to prefetch once the push starts
         self._push_due = False  # a training forward whose backward has not pushed yet
+        self._warned_unsaved = False
+        self._register_state_dict_hook(_TableNotSaved())
 
     def prefetch(self, input: torch.Tensor) -> None:
         """Starts pulling the rows of the next forward's ``input`` (collective). Called
@@ -115,6 +118,21 @@ class _ServerTableLayer(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, name={self.table.name!r}, "
                 f"optimizer={self.table.optimizer}, lr={self.lr}")
+
+
+class _TableNotSaved:
+    """A state_dict hook: warns, once per layer, that a checkpoint of the model does not
+    hold the servers' table, so that nobody learns it only after a resume has quietly
+    restarted the rows from their initialiser."""
+
+    def __call__(self, module, state_dict, prefix, local_metadata):
+        if not module._warned_unsaved:
+            module._warned_unsaved = True
+            warnings.warn(f"{type(module).__name__} {module.table.name!r}: the table's rows (kept by the "
+                          "servers, or by this process without them) are not saved in the model's "
+                          "state_dict; a checkpoint restores the rest of the model, and a resumed job "
+                          "starts this table from its initialiser", UserWarning, stacklevel=3)
+        return None
 
 
 class ServerEmbedding(_ServerTableLayer):

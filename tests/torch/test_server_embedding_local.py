@@ -2,6 +2,8 @@
 table lives in this process, only the rows touched) and their error paths; the launched jobs are in
 test_torch_jobs.py (torch_checks_embedding.py)."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -108,3 +110,14 @@ def test_a_prefetch_answer_from_the_servers_is_checked_before_its_rows_are_used(
         table.take(started(rows([3, 8], 1.0)))
     with pytest.raises(ValueError, match="not ascending"):
         table.take(started(rows([8, 3], 1.0)))
+
+
+def test_a_state_dict_warns_once_that_the_table_is_not_in_it():
+    emb = bps.ServerEmbeddingBag(10, 2, name="unsaved")
+    model = torch.nn.Sequential(emb, torch.nn.Linear(2, 1))
+    with pytest.warns(UserWarning, match="'unsaved': the table's rows .* are not saved"):
+        state = model.state_dict()
+    assert set(state) == {"1.weight", "1.bias"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.state_dict()  # once per layer
