@@ -19,13 +19,15 @@ The wire format of the byte codecs (onebit, top-k, dithering) lives in
 
     none | fp16 | bf16
     onebit[:scaled=false]                 sign bits + one magnitude per chunk
-    topk:<ratio>                          the ceil(ratio*n) largest magnitudes per chunk
-    randomk:<ratio>[:seed=<int>]          ratio*n entries at indices every rank derives
+    topk:<ratio>[:momentum=<m>]           the ceil(ratio*n) largest magnitudes per chunk
+    randomk:<ratio>[:seed=<int>][:momentum=<m>]  ratio*n entries at indices every rank derives
     dithering:<levels>[:stochastic=false] int8 levels of max|x| per chunk
     powersgd:<rank>[:seed=<int>]          low-rank P, Q (Vogels et al.); 1-D goes plain
     auto[:<spec>][:steps=<n>][:bandwidth=<bytes/s>]   <spec> (default fp16) where it pays
 
 Every lossy codec takes ``error_feedback=false`` (worker-side residual, on by default);
+top-k and random-k take ``momentum=<m>``: DGC's momentum correction, the optimizer's
+momentum applied on the worker before sparsifying (the optimizer then has none);
 onebit, top-k and dithering take ``server_error_feedback=false`` (the servers' residual)
 and ``chunk=<elements>`` (elements per blob). Options are ``key=value`` pieces after
 ``:`` or ``,``: ``"topk:0.01,error_feedback=false"``.
@@ -124,9 +126,9 @@ _POSITIONAL = {"topk": "ratio", "randomk": "ratio", "dithering": "levels", "powe
 _OPTIONS = {
     "none": (), "fp16": (), "bf16": (),
     "onebit": ("scaled", "error_feedback", "server_error_feedback", "chunk"),
-    "topk": ("ratio", "error_feedback", "server_error_feedback", "chunk"),
+    "topk": ("ratio", "momentum", "error_feedback", "server_error_feedback", "chunk"),
     "dithering": ("levels", "stochastic", "seed", "error_feedback", "server_error_feedback", "chunk"),
-    "randomk": ("ratio", "seed", "error_feedback"),
+    "randomk": ("ratio", "seed", "momentum", "error_feedback"),
     "powersgd": ("rank", "seed", "error_feedback"),
     "auto": ("steps", "bandwidth"),
 }
@@ -147,6 +149,10 @@ class CompressionSpec:
         error_feedback: worker-side residual; None = on for lossy codecs, off for casts.
         server_error_feedback: onebit/top-k/dithering: the servers keep a residual too.
         chunk: elements per blob of a byte codec (:data:`bpstrain._codec.DEFAULT_CHUNK`).
+        momentum: top-k / random-k: DGC's momentum correction (Lin et al., 2018) with
+            this momentum, 0 = off: the worker accumulates SGD's velocity, the
+            residual sums it, and both are cleared where sent; the optimizer then runs
+            with momentum 0 (``DistributedOptimizer`` checks).
         steps: auto: steps measured before deciding.
         bandwidth: auto: link bytes/s to price saved bytes (None: the engine's or measured).
         inner: auto: the spec it switches on or off.
@@ -162,6 +168,7 @@ class CompressionSpec:
     error_feedback: Optional[bool] = None
     server_error_feedback: bool = True
     chunk: int = _codec.DEFAULT_CHUNK
+    momentum: float = 0.0
     steps: int = 5
     bandwidth: Optional[float] = None
     inner: Optional["CompressionSpec"] = None
@@ -215,7 +222,7 @@ def _convert(codec: str, key: str, value: Any) -> Any:
     try:
         if key in ("scaled", "stochastic", "server_error_feedback", "error_feedback"):
             return value if isinstance(value, bool) else _to_bool(key, value)
-        if key in ("ratio", "bandwidth"):
+        if key in ("ratio", "bandwidth", "momentum"):
             return float(value)
         return int(value)
     except (TypeError, ValueError) as exc:
@@ -229,6 +236,12 @@ def _check(spec: CompressionSpec) -> CompressionSpec:
     c = spec.codec
     if c in ("topk", "randomk") and not 0 < spec.ratio <= 1:
         raise ValueError(f"{c} needs a ratio in (0, 1], e.g. '{c}:0.01'. Received: ratio={spec.ratio}")
+    if not 0 <= spec.momentum < 1:
+        raise ValueError(f"momentum must be in [0, 1), e.g. '{c}:0.01:momentum=0.9'. "
+                         f"Received: momentum={spec.momentum}")
+    if spec.momentum and not spec.ef:
+        raise ValueError("momentum correction accumulates into the error-feedback residual: it "
+                         f"needs error_feedback on. Received: {c}:momentum={spec.momentum}:error_feedback=false")
     if c == "dithering" and not 1 <= spec.levels <= 127:
         raise ValueError("dithering needs levels in 1..127, e.g. 'dithering:16'. "
                          f"Received: levels={spec.levels}")
@@ -238,6 +251,9 @@ def _check(spec: CompressionSpec) -> CompressionSpec:
         raise ValueError(f"chunk and steps must be >= 1. Received: chunk={spec.chunk}, steps={spec.steps}")
     if c == "auto" and spec.inner is not None and spec.inner.codec in ("auto", "none"):
         raise ValueError(f"auto wraps a compressing codec. Received: auto:{spec.inner}")
+    if c == "auto" and spec.inner is not None and spec.inner.momentum:
+        raise ValueError("auto sends some tensors plain, where momentum correction's gradients would "
+                         f"be wrong; use {spec.inner} without auto. Received: auto:{spec.inner}")
     if spec.error_feedback:  # on is the lossy codecs' default: one spelling, equal specs
         spec = dataclasses.replace(spec, error_feedback=None)
     return spec
@@ -336,6 +352,30 @@ def wire_bytes(spec: CompressionSpec, numel: int, element_size: int = 4) -> int:
     if c == "auto":
         return wire_bytes(spec.inner or parse_compression(AUTO_DEFAULT), numel, element_size)
     return element_size * numel
+
+
+def check_momentum_correction(spec: CompressionSpec, momentum: Optional[float], dampening: float = 0.0,
+                              nesterov: bool = False) -> None:
+    """Raises unless an optimizer of this ``momentum`` (None: it has none), ``dampening``
+    and ``nesterov`` may take ``spec``'s gradients: a momentum-corrected compressor hands
+    SGD S_t - m*S_{t-1}, which is DGC's update only for plain SGD with that same m."""
+    m = spec.momentum
+    if not m:
+        return
+    if momentum is None or abs(float(momentum) - m) > 1e-12 or dampening or nesterov:
+        raise ValueError(
+            f"compression '{spec}' applies DGC's momentum correction for an SGD with momentum={m} "
+            "(no dampening, no Nesterov); build the optimizer so, or drop momentum= from the "
+            f"compression. Received: momentum={momentum}, dampening={dampening}, nesterov={nesterov}")
+
+
+def check_optimizer_momentum(compression: Any, momentum: Optional[float], nesterov: bool = False) -> None:
+    """:func:`check_momentum_correction` for every spec a compressor's policy may give a
+    tensor (its default and its rules'); compressors without a policy pass."""
+    policy = getattr(compression, "policy", None)
+    if isinstance(policy, CompressionPolicy):
+        for spec in [policy.default] + [rule.compression for rule in policy.rules]:
+            check_momentum_correction(spec, momentum, nesterov=nesterov)
 
 
 # -- seeds every rank derives alike ---------------------------------------------------------

@@ -54,6 +54,9 @@ def link_counters(ifname: str) -> tuple[int, int]:
     raise ValueError(f"Expected interface {ifname!r} in /proc/net/dev of this namespace.")
 
 
+MOMENTUM = 0.9  # the accuracy task's SGD momentum (and the momentum-corrected systems')
+
+
 def make_compression(spec: str):
     """The ``bpstrain.torch.Compression`` object of a spec string (``"topk:0.01"``)."""
     from bpstrain._compression import parse_compression
@@ -65,7 +68,7 @@ def make_compression(spec: str):
     if s.codec == "onebit":
         return Compression.onebit(scaling=s.scaled)
     if s.codec in ("topk", "randomk"):
-        return getattr(Compression, s.codec)(s.ratio)
+        return getattr(Compression, s.codec)(s.ratio, momentum=s.momentum)
     if s.codec == "dithering":
         return Compression.dithering(s.levels)
     if s.codec == "powersgd":
@@ -248,7 +251,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="accuracy: initial weights and batches")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum", type=float, default=MOMENTUM)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--addr"), p.add_argument("--port", type=int)
     p.add_argument("--rank", type=int), p.add_argument("--world-size", type=int)

@@ -53,20 +53,23 @@ import time
 from collections.abc import Sequence
 
 from bpstrain.bench import _jobs, emulated
-from bpstrain.bench._compress_worker import STEPS_DONE
+from bpstrain.bench._compress_worker import MOMENTUM, STEPS_DONE
 from bpstrain.bench._hosts import EmulatedHosts, LoopbackHosts
 from bpstrain.bench.training import ps_layout, run_ddp_job
 
 _WORKER = "bpstrain.bench._compress_worker"
 PARTS = ("wire", "accuracy", "kernels")
-BPSTRAIN_SYSTEMS = ("none", "fp16", "bf16", "onebit", "topk", "randomk", "dithering", "powersgd",
-                    "auto")
+# topk-mc / randomk-mc: the same with DGC's momentum correction (for the accuracy part,
+# whose SGD has momentum; the wire part's plain SGD refuses it).
+BPSTRAIN_SYSTEMS = ("none", "fp16", "bf16", "onebit", "topk", "randomk", "topk-mc", "randomk-mc",
+                    "dithering", "powersgd", "auto")
 DDP_SYSTEMS = ("ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd", "ddp-powersgd-batched")
 SYSTEMS = BPSTRAIN_SYSTEMS + DDP_SYSTEMS
 WIRE_SYSTEMS = ("none", "fp16", "onebit", "topk", "randomk", "powersgd", "dithering",
                 "ddp", "ddp-fp16", "ddp-powersgd")
-ACC_SYSTEMS = ("none", "fp16", "onebit", "topk", "randomk", "powersgd", "dithering", "ddp-fp16")
-TTA_SYSTEMS = ("none", "onebit", "topk", "ddp-fp16")
+ACC_SYSTEMS = ("none", "fp16", "onebit", "topk", "randomk", "topk-mc", "randomk-mc", "powersgd",
+               "dithering", "ddp-fp16")
+TTA_SYSTEMS = ("none", "onebit", "topk", "topk-mc", "ddp-fp16")
 KERNEL_CODECS = ("fp16", "bf16", "onebit", "topk", "randomk", "dithering", "powersgd")
 SERVER_CODECS = ("onebit", "topk", "dithering")
 
@@ -130,7 +133,9 @@ class CompressionPlan:
         """The worker's ``--compression`` of a system: a bpstrain spec or a DDP hook."""
         if system in DDP_SYSTEMS:
             return "none" if system == "ddp" else system[len("ddp-"):]
+        mc = f":momentum={MOMENTUM:g}"
         return {"topk": f"topk:{self.topk_ratio:g}", "randomk": f"randomk:{self.randomk_ratio:g}",
+                "topk-mc": f"topk:{self.topk_ratio:g}{mc}", "randomk-mc": f"randomk:{self.randomk_ratio:g}{mc}",
                 "dithering": f"dithering:{self.dithering_levels}",
                 "powersgd": f"powersgd:{self.powersgd_rank}",
                 "auto": self.auto_spec}.get(system, system)
@@ -142,6 +147,8 @@ class CompressionPlan:
                  "ddp-powersgd-batched": f"DDP + batched PowerSGD hook (rank {self.powersgd_rank})",
                  "topk": f"bpstrain top-k {self.topk_ratio * 100:g}%",
                  "randomk": f"bpstrain random-k {self.randomk_ratio * 100:g}%",
+                 "topk-mc": f"bpstrain top-k {self.topk_ratio * 100:g}% + momentum correction",
+                 "randomk-mc": f"bpstrain random-k {self.randomk_ratio * 100:g}% + momentum correction",
                  "dithering": f"bpstrain dithering {self.dithering_levels} levels",
                  "powersgd": f"bpstrain PowerSGD rank {self.powersgd_rank}",
                  "auto": f"bpstrain {self.auto_spec}"}

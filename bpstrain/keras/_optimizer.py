@@ -25,6 +25,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from bpstrain import _group
+from bpstrain._compression import check_optimizer_momentum
 
 
 _instances = itertools.count()
@@ -396,6 +397,8 @@ def DistributedOptimizer(optimizer, backward_passes_per_step: int = 1,
                          f"{compression!r}, backward_passes_per_step={backward_passes_per_step}")
     compression = _resolve(compression)
     _check_stateful_backend(compression)
+    check_optimizer_momentum(compression, getattr(optimizer, "momentum", None),
+                             bool(getattr(optimizer, "nesterov", False)))
     base = type(optimizer)
     reducer = GradientReducer(name or f"Distributed{base.__name__}.{next(_instances)}",
                               backward_passes_per_step,

@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from bpstrain import _group
+from bpstrain._compression import check_optimizer_momentum
 from bpstrain.tensorflow import _ops
 from bpstrain.tensorflow.compression import (Compression, check_compression, for_optimizer,
                                              reduce_with)
@@ -245,6 +246,8 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, average: Optiona
             raise ValueError("backward_passes_per_step applies to Keras optimizers only. "
                              f"Received: backward_passes_per_step={backward_passes_per_step} "
                              f"with {type(optimizer).__name__}")
+        check_optimizer_momentum(compression, getattr(optimizer, "_momentum", None),
+                                 bool(getattr(optimizer, "_use_nesterov", False)))
         return _DistributedV1Optimizer(optimizer, name, average, compression, sparse_as_dense)
     raise ValueError("DistributedOptimizer wraps a keras.optimizers.Optimizer or a "
                      f"tf.compat.v1.train.Optimizer. Received: {type(optimizer).__name__}")

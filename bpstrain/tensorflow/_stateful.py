@@ -153,6 +153,30 @@ class StatefulCompressor(tf.Module):
         residual = self._variable(f"residual/{name}", lambda: tf.zeros(flat.shape, tf.float32))
         return flat + residual, residual
 
+    momentum = 0.0  # top-k and random-k: DGC's momentum correction when set
+
+    def _with_velocity(self, name: str, flat: tf.Tensor):
+        """DGC's momentum correction, worker side: ``(u, variable)`` with the velocity
+        u = m*u + flat that error feedback then accumulates, or ``(flat, None)`` when off."""
+        if not self.momentum:
+            return flat, None
+        velocity = self._variable(f"velocity/{name}", lambda: tf.zeros(flat.shape, tf.float32))
+        return self.momentum * velocity + flat, velocity
+
+    def _as_momentum_gradient(self, name: str, out: tf.Tensor) -> tf.Tensor:
+        """The sent sum S_t handed to an SGD with momentum m: S_t - m*S_{t-1}, so that its
+        buffer, and so its update, is S_t (as torch's). A non-finite step is not kept."""
+        if not self.momentum:
+            return out
+        before = self._variable(f"applied/{name}", lambda: tf.zeros(out.shape, tf.float32))
+        result = out - self.momentum * before
+        _keep_finite(before, out, out)
+        return result
+
+    def _check_options(self) -> None:
+        """Raises what the spec parser says of bad options (e.g. momentum without error feedback)."""
+        parse_compression({"codec": self.codec_name, **self._options()})
+
 
 class _BlobCompressor(StatefulCompressor):
     """onebit, top-k and dithering: blobs of :mod:`bpstrain._codec`, decoded after the pull.
@@ -209,7 +233,8 @@ class _BlobCompressor(StatefulCompressor):
     def _reduce(self, tensors, names, average, priorities, extra):
         items, layouts, finite = [], [], []
         for x, name, priority in zip(tensors, names, priorities):
-            flat, residual = self._with_residual(name, tf.reshape(tf.cast(x, tf.float32), [-1]))
+            moving, velocity = self._with_velocity(name, tf.reshape(tf.cast(x, tf.float32), [-1]))
+            flat, residual = self._with_residual(name, moving)
             layout = self.layout(int(flat.shape[0]))
             self._sizes[name] = int(flat.shape[0])
             finite.append(tf.reduce_all(tf.math.is_finite(flat)))
@@ -219,7 +244,11 @@ class _BlobCompressor(StatefulCompressor):
                 flat = tf.where(finite[-1], flat, tf.zeros_like(flat))
             blob = _wire.encode(layout, flat, self._uniform if self.stochastic else None)
             if residual is not None:
-                _keep_finite(residual, flat - _wire.decode(layout, blob), finite[-1])
+                left = flat - _wire.decode(layout, blob)
+                _keep_finite(residual, left, finite[-1])
+                if velocity is not None:  # top-k sends exact values: nothing is left where it sent
+                    _keep_finite(velocity, tf.where(tf.equal(left, 0), tf.zeros_like(moving), moving),
+                                 finite[-1])
             items.append(_wire.Item(blob, name, False, layout.partition_bytes, priority))
             layouts.append(layout)
         flag = []
@@ -237,6 +266,7 @@ class _BlobCompressor(StatefulCompressor):
             overflow = outs[len(items)][0] > 0
             results = [tf.where(overflow, tf.fill(tf.shape(r), np.float32(np.nan)), r)
                        for r in results]
+        results = [self._as_momentum_gradient(name, r) for name, r in zip(names, results)]
         return results, outs[len(items) + len(flag):]
 
     def _roundtrip(self, flat, shape):
@@ -276,12 +306,13 @@ class TopKCompressor(_BlobCompressor):
 
     codec, codec_name = _codec.TOPK, "topk"
 
-    def __init__(self, ratio: float, **kwargs):
+    def __init__(self, ratio: float, momentum: float = 0.0, **kwargs):
         super().__init__(**kwargs)
-        self.ratio = _ratio("topk", ratio)
+        self.ratio, self.momentum = _ratio("topk", ratio), float(momentum)
+        self._check_options()
 
     def _options(self):
-        return {**super()._options(), "ratio": self.ratio}
+        return {**super()._options(), "ratio": self.ratio, "momentum": self.momentum}
 
     def layout(self, numel):
         return _wire.Layout(self.codec, numel, self.chunk, ratio=self.ratio,
@@ -333,14 +364,15 @@ class RandomKCompressor(StatefulCompressor):
     """
 
     def __init__(self, ratio: float, seed: int = 0, error_feedback: bool = True,
-                 name: Optional[str] = None):
+                 name: Optional[str] = None, momentum: float = 0.0):
         super().__init__(error_feedback, name)
-        self.ratio, self.seed = _ratio("randomk", ratio), int(seed)
+        self.ratio, self.seed, self.momentum = _ratio("randomk", ratio), int(seed), float(momentum)
+        self._check_options()
 
     codec_name = "randomk"
 
     def _options(self):
-        return {**super()._options(), "ratio": self.ratio, "seed": self.seed}
+        return {**super()._options(), "ratio": self.ratio, "seed": self.seed, "momentum": self.momentum}
 
     def indices(self, name: str, n: int, k: int) -> tf.Tensor:
         """This step's ``k`` indices of tensor ``name`` (advances its step counter)."""
@@ -367,17 +399,20 @@ class RandomKCompressor(StatefulCompressor):
     def _reduce(self, tensors, names, average, priorities, extra):
         items, picks = [], []
         for x, name, priority in zip(tensors, names, priorities):
-            flat, residual = self._with_residual(name, tf.reshape(tf.cast(x, tf.float32), [-1]))
+            moving, velocity = self._with_velocity(name, tf.reshape(tf.cast(x, tf.float32), [-1]))
+            flat, residual = self._with_residual(name, moving)
             n = int(flat.shape[0])
             idx = self.indices(name, n, _codec.topk_count(n, self.ratio))[:, None]
             values = tf.gather_nd(flat, idx)
             if residual is not None:
                 _keep_finite(residual, flat - tf.scatter_nd(idx, values, [n]), flat)
+            if velocity is not None:  # cleared where sent
+                _keep_finite(velocity, tf.tensor_scatter_nd_update(moving, idx, tf.zeros_like(values)), flat)
             items.append(_wire.Item(values, name, average, 0, priority))
-            picks.append((idx, n))
+            picks.append((idx, n, name))
         outs = _wire.transfer(items + extra)
-        return [tf.scatter_nd(idx, out, [n]) for (idx, n), out in zip(picks, outs)], \
-            outs[len(items):]
+        return [self._as_momentum_gradient(name, tf.scatter_nd(idx, out, [n]))
+                for (idx, n, name), out in zip(picks, outs)], outs[len(items):]
 
 
 class PowerSGDCompressor(StatefulCompressor):

@@ -177,6 +177,40 @@ class GradientCompressor:
             return x
         return x + residual.to(x.device).reshape(x.shape)
 
+    def _with_velocity(self, st: Dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+        """DGC's momentum correction, worker side: the gradient ``x`` (flat fp32) becomes
+        the velocity u = m*u + x, which error feedback then accumulates and the codec
+        sparsifies (returned; the codecs must not write into it). Off: ``x``."""
+        m = self.spec.momentum
+        if not m:
+            return x
+        u = st.get("velocity")
+        if u is None or u.numel() != x.numel():
+            u = x.clone()
+        else:
+            u = u.to(x.device).mul_(m).add_(x)
+        st["velocity"] = u
+        return u
+
+    def _clear_velocity(self, st: Dict[str, Any], sent) -> None:
+        """Momentum factor masking: the velocity restarts where the step sent its
+        accumulation (``sent``: a mask or indices)."""
+        if self.spec.momentum:
+            st["velocity"][sent] = 0
+
+    def _as_momentum_gradient(self, st: Dict[str, Any], out: torch.Tensor) -> torch.Tensor:
+        """The step's decompressed sum S_t handed to an SGD that keeps its momentum m (the
+        same as the spec's): S_t - m*S_{t-1}, so that SGD's buffer m*buf + g equals S_t and
+        the update is lr*S_t, DGC's. Tensors the policy sends plain keep ordinary momentum."""
+        m = self.spec.momentum
+        if not m:
+            return out
+        before = st.get("applied")
+        st["applied"] = out.detach().clone()
+        if before is None or before.numel() != out.numel():
+            return out
+        return out - m * before.to(out.device)
+
     def take_residual(self, key: str) -> Optional[torch.Tensor]:
         """Removes and returns ``key``'s error-feedback residual (flat fp32), if any."""
         return self._tensors.get(key, {}).pop("residual", None)
@@ -240,6 +274,7 @@ class ByteCodecCompressor(GradientCompressor):
             stochastic = spec.codec == "dithering" and spec.stochastic
             seed = derive_seed(spec.seed, key, st["step"], engine.rank()) if stochastic else 0
             host_seed = seed % (2**63) + 1 if stochastic else 0
+            x = self._with_velocity(st, x)
             kept = st.get("residual")
             if x.device.type == "cpu" and spec.ef and kept is not None and kept.device.type == "cpu" \
                     and kept.numel() == x.numel() and kept.is_contiguous():
@@ -265,6 +300,8 @@ class ByteCodecCompressor(GradientCompressor):
                     r = x - sent
                     st["residual"] = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
                 host = data.cpu()  # the one staging copy of a CUDA tensor: the bytes alone
+            if spec.momentum:  # top-k sends exact values: the residual is 0 where it sent
+                self._clear_velocity(st, st["residual"].view(-1) == 0)
         st["step"] += 1
         src = host.numpy()
         dst = np.empty_like(src)
@@ -286,7 +323,7 @@ class ByteCodecCompressor(GradientCompressor):
                 out = _codecs.decode(spec, torch.from_numpy(answer).to(tensor.device), x.numel())
             if average:  # by a device tensor: CUDA divides by a host scalar inexactly
                 out.div_(torch.full((), count, dtype=torch.float32, device=out.device))
-            return _restore(out, tensor)
+            return _restore(self._as_momentum_gradient(st, out), tensor)
 
         return _Op(handle, finish, clock, 4 * x.numel(), src.size)
 
@@ -325,7 +362,7 @@ class RandomKCompressor(GradientCompressor):
         k = _codec.topk_count(n, spec.ratio)
         clock = _Clock(x.device, timed)
         with clock:
-            x = self._add_residual(key, x)
+            x = self._add_residual(key, self._with_velocity(st, x))
             a, b = _codec.randomk_affine(n, spec.seed, key, st["step"])
             idx = (a + torch.arange(k, device=x.device, dtype=torch.int64) * b) % n
             values = x[idx]
@@ -333,13 +370,14 @@ class RandomKCompressor(GradientCompressor):
                 residual = x.clone()
                 residual[idx] = 0
                 st["residual"] = residual
+            self._clear_velocity(st, idx)
         st["step"] += 1
         handle = _ops.push_pull_async(values, average=average, name=name, priority=priority)
 
         def finish(summed):
             out = torch.zeros(n, dtype=torch.float32, device=x.device)
             out[idx] = summed
-            return _restore(out, tensor)
+            return _restore(self._as_momentum_gradient(st, out), tensor)
 
         return _Op(handle, finish, clock, 4 * n, 4 * k)
 

@@ -104,17 +104,26 @@ class Compression:
                                server_error_feedback=server_error_feedback))
 
     @staticmethod
-    def topk(ratio: float, error_feedback: bool = True,
-             server_error_feedback: bool = True) -> GradientCompressor:
-        """The ``ceil(ratio * n)`` largest magnitudes per chunk, as (index, value) pairs."""
+    def topk(ratio: float, error_feedback: bool = True, server_error_feedback: bool = True,
+             momentum: float = 0.0) -> GradientCompressor:
+        """The ``ceil(ratio * n)`` largest magnitudes per chunk, as (index, value) pairs.
+
+        ``momentum``: DGC's momentum correction (Lin et al., 2018) for an SGD optimizer
+        with this momentum (no dampening or Nesterov): the worker accumulates the velocity
+        before sparsifying and clears it where it sent, and the optimizer's momentum
+        buffer is handed what makes its update DGC's (``DistributedOptimizer`` checks the
+        optimizer's momentum matches; with ``push_pull`` or DDP it is yours to match)."""
         return from_spec(_spec("topk", ratio=ratio, error_feedback=error_feedback,
-                               server_error_feedback=server_error_feedback))
+                               server_error_feedback=server_error_feedback, momentum=momentum))
 
     @staticmethod
-    def randomk(ratio: float, error_feedback: bool = True, seed: int = 0) -> GradientCompressor:
+    def randomk(ratio: float, error_feedback: bool = True, seed: int = 0,
+                momentum: float = 0.0) -> GradientCompressor:
         """``ceil(ratio * n)`` entries at indices every rank derives from (seed, name,
-        step), so only values travel and the servers sum plain float32."""
-        return from_spec(_spec("randomk", ratio=ratio, error_feedback=error_feedback, seed=seed))
+        step), so only values travel and the servers sum plain float32. ``momentum``: as
+        :meth:`topk`'s."""
+        return from_spec(_spec("randomk", ratio=ratio, error_feedback=error_feedback, seed=seed,
+                               momentum=momentum))
 
     @staticmethod
     def dithering(levels: int, stochastic: bool = True, error_feedback: bool = True,

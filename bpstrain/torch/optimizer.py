@@ -30,6 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
+from bpstrain._compression import check_momentum_correction
 from bpstrain.torch import _compressors, _fusion, _tensors, _unused, ops
 from bpstrain.torch.compression import Compression
 
@@ -95,6 +96,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._bps_stateful[id(p)] = stateful
                 else:
                     self._bps_classic[id(p)] = classic
+            _check_momentum_correction(self.param_groups, self._bps_stateful)
         self.backward_passes_per_step = backward_passes_per_step
         self._bps_delay = {id(p): backward_passes_per_step for p in all_params}
         self._bps_handles = {}  # id(p) -> (p, handle, (compressed, ctx)) of unfused parameters
@@ -370,6 +372,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
                 "cause a race condition.")
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+
+def _check_momentum_correction(param_groups, stateful: dict) -> None:
+    """Each momentum-corrected parameter's group must be an SGD of the spec's momentum."""
+    for group in param_groups:
+        for p in group["params"]:
+            spec = getattr(stateful.get(id(p)), "spec", None)
+            if spec is not None:
+                check_momentum_correction(spec, group.get("momentum"), group.get("dampening", 0),
+                                          group.get("nesterov", False))
 
 
 def _check_catch_up(params, compression, average, backward_passes_per_step) -> None:

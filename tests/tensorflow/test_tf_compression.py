@@ -24,6 +24,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "keras"))
 from launched_job import assert_check, launch  # noqa: E402
 
+from tests.dgc_reference import dgc_steps, top  # noqa: E402
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -92,6 +94,21 @@ def test_degenerate_chunks_encode_as_the_reference():
             layout = _wire.Layout(codec, 10, levels=kw.get("levels", 0))
             assert _wire.encode(layout, tf.constant(x)).numpy().tobytes() == \
                 _reference(codec, x, _codec.DEFAULT_CHUNK, **kw)
+
+
+def test_momentum_correction_needs_the_keras_optimizers_momentum_to_match():
+    import keras
+
+    import bpstrain.tensorflow as bps
+
+    bps.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                             compression=Compression.topk(0.01, momentum=0.9))
+    for wrong, words in [(keras.optimizers.SGD(0.1), "Received: momentum=0.0"),
+                         (keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True), "nesterov=True"),
+                         (keras.optimizers.Adam(), "momentum=None")]:
+        with pytest.raises(ValueError, match="momentum correction") as err:
+            bps.DistributedOptimizer(wrong, compression=Compression.randomk(0.01, momentum=0.9))
+        assert words in str(err.value)
 
 
 @pytest.mark.usefixtures("standalone_engine")
@@ -167,11 +184,30 @@ def test_randomk_and_powersgd_follow_the_shared_seeds():
 
 
 @pytest.mark.usefixtures("standalone_engine")
+@pytest.mark.parametrize("codec", ["topk", "randomk"])
+def test_momentum_correction_follows_dgc(codec):
+    m, n, k = 0.9, 200, 20
+    grads = [_data(n, seed=s) for s in range(4)]
+    pick = top(k) if codec == "topk" else (lambda v, step: _codec.randomk_indices(n, k, 5, "g", step))
+    want, u, v = dgc_steps(grads, m, pick)
+    comp = getattr(Compression, codec)(k / n, momentum=m, **({"seed": 5} if codec == "randomk" else {}))
+    assert str(comp.spec).endswith("momentum=0.9")
+    for s, g in enumerate(grads):
+        np.testing.assert_allclose(comp.reduce([tf.constant(g)], ["g"])[0].numpy(), want[s],
+                                   rtol=1e-5, atol=1e-6)
+    state = comp.get_state()
+    np.testing.assert_allclose(state["velocity/g"], u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state["residual/g"], v, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="needs error_feedback on"):
+        getattr(Compression, codec)(0.1, momentum=0.9, error_feedback=False)
+
+
+@pytest.mark.usefixtures("standalone_engine")
 @pytest.mark.parametrize("make", [
-    lambda: Compression.topk(0.1), lambda: Compression.onebit(),
+    lambda: Compression.topk(0.1), lambda: Compression.topk(0.1, momentum=0.9), lambda: Compression.onebit(),
     lambda: Compression.dithering(4, stochastic=False), lambda: Compression.randomk(0.1),
     lambda: Compression.powersgd(2), lambda: Compression.policy("topk:0.1", min_size=50)],
-    ids=["topk", "onebit", "dithering", "randomk", "powersgd", "policy"])
+    ids=["topk", "topk-momentum", "onebit", "dithering", "randomk", "powersgd", "policy"])
 def test_graph_mode_equals_eager_mode_and_carries_the_state(make):
     x, b = tf.constant(_data(300).reshape(10, 30)), tf.constant(_data(10))
     eager, graph = make(), make()

@@ -24,6 +24,8 @@ from test_torch_jobs import _assert_check, run_job  # noqa: E402
 from torch_check_worker import collect  # noqa: E402
 from torch_checks_compression import np_encode, simulate_bytes  # noqa: E402
 
+from tests.dgc_reference import dgc_steps, top  # noqa: E402
+
 ENGINE_HAS_CODECS = "compressed" in engine.DTYPES
 needs_codecs = pytest.mark.skipif(not ENGINE_HAS_CODECS,
                                   reason="the engine has no 'compressed' dtype yet (servers' codec)")
@@ -44,7 +46,8 @@ def standalone(monkeypatch):
 @pytest.mark.parametrize("text", ["none", "fp16", "bf16", "onebit", "onebit:scaled=false", "topk:0.01",
                                   "randomk:0.01:seed=4", "dithering:16", "powersgd:2", "auto",
                                   "auto:topk:0.01", "auto:steps=3:bandwidth=1e9:onebit",
-                                  "topk:0.01,error_feedback=false", "dithering:4:stochastic=false"])
+                                  "topk:0.01,error_feedback=false", "dithering:4:stochastic=false",
+                                  "topk:0.01:momentum=0.9", "randomk:0.05:seed=2:momentum=0.5"])
 def test_spec_strings_round_trip(text):
     spec = parse_compression(text)
     assert parse_compression(str(spec)) == spec
@@ -65,7 +68,11 @@ def test_spec_defaults_and_error_feedback():
                                         ("dithering:200", "1..127"), ("powersgd:0", "rank >= 1"),
                                         ("onebit:ratio=0.1", "onebit takes"),
                                         ("onebit:scaled=maybe", "true or false"), ("auto:none", "auto wraps"),
-                                        ("fp16:error_feedback=true", "fp16 takes no options")])
+                                        ("fp16:error_feedback=true", "fp16 takes no options"),
+                                        ("topk:0.01:momentum=1", "momentum must be in [0, 1)"),
+                                        ("onebit:momentum=0.9", "onebit takes"),
+                                        ("randomk:0.1:momentum=0.9:error_feedback=false", "needs error_feedback"),
+                                        ("auto:topk:0.01:momentum=0.9", "auto sends some tensors plain")])
 def test_spec_errors_say_what_was_received(text, words):
     with pytest.raises(ValueError, match="Received") as err:
         parse_compression(text)
@@ -179,6 +186,37 @@ def test_stochastic_dithering_and_server_answers_decode_alike(device):
 
 
 # -- the stateful compressors alone ---------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_top_k_with_momentum_correction_alone_follows_dgc(standalone):
+    m, n, k = 0.9, 1000, 10
+    grads = [np.random.default_rng(s).standard_normal(n).astype(np.float32) for s in range(4)]
+    want, u, v = dgc_steps(grads, m, top(k))
+    comp = bps.Compression.topk(k / n, momentum=m)
+    for s, g in enumerate(grads):
+        got = bps.push_pull(torch.from_numpy(g), name="w", compression=comp)
+        np.testing.assert_allclose(got.numpy(), want[s], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(comp._tensors["w"]["velocity"].numpy(), u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(comp._tensors["w"]["residual"].numpy(), v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_momentum_correction_needs_the_optimizers_momentum_to_match(standalone):
+    def make(optimizer, compression):
+        model = torch.nn.Linear(40, 30)
+        return bps.DistributedOptimizer(optimizer(model.parameters()), model.named_parameters(),
+                                        compression=compression)
+
+    mc = bps.Compression.topk(0.01, momentum=0.9)
+    make(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), mc)
+    for wrong, words in [(lambda p: torch.optim.SGD(p, lr=0.1), "Received: momentum=0"),
+                         (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True), "nesterov=True"),
+                         (lambda p: torch.optim.Adam(p), "momentum=None")]:
+        with pytest.raises(ValueError, match="momentum correction") as err:
+            make(wrong, mc)
+        assert words in str(err.value)
+    make(lambda p: torch.optim.Adam(p), bps.Compression.topk(0.01))  # no correction: any optimizer
+
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("text", ["onebit", "topk:0.05", "dithering:8:stochastic=false",

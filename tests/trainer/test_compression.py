@@ -99,3 +99,16 @@ def test_keras_compile_wraps_with_the_policy_and_runs_auto_eagerly(standalone_en
         _compile(model, cfg, 2, compression=parse_policy(spec, min_size=0))
         assert isinstance(model.optimizer._bps_compression, PolicyCompressor)
         assert bool(model.run_eagerly) is eager, spec
+
+
+@pytest.mark.timeout(180)
+def test_two_workers_train_with_momentum_correction_and_checkpoint_its_velocity(tmp_path):
+    x, y = blobs(256)
+    cfg = _config(tmp_path, **{"comm.compression": "topk:0.1:momentum=0.9", "optimizer.name": "sgd",
+                               "optimizer.lr": 0.05, "trainer.epochs": 3})  # SGD's momentum: 0.9
+    history = Trainer(cfg).fit(tiny_net(), (x, y), val_data=(x, y))
+    assert history.last["val_accuracy"] > 0.9
+    ckpt = read_checkpoint(tmp_path / "version_0" / "checkpoints" / "last.ckpt")
+    for per_rank in ckpt["compression_states"]:
+        tensors = per_rank[0]["compressors"]["topk:ratio=0.1:momentum=0.9"]["tensors"]
+        assert tensors and all({"velocity", "applied", "residual"} <= set(t) for t in tensors.values())
