@@ -20,14 +20,14 @@ The wire format of the byte codecs (onebit, top-k, dithering) lives in
     none | fp16 | bf16
     onebit[:scaled=false]                 sign bits + one magnitude per chunk
     topk:<ratio>[:momentum=<m>]           the ceil(ratio*n) largest magnitudes per chunk
-    randomk:<ratio>[:seed=<int>][:momentum=<m>]  ratio*n entries at indices every rank derives
+    randomk:<ratio>[:seed=<int>]          ratio*n entries at indices every rank derives
     dithering:<levels>[:stochastic=false] int8 levels of max|x| per chunk
     powersgd:<rank>[:seed=<int>]          low-rank P, Q (Vogels et al.); 1-D goes plain
     auto[:<spec>][:steps=<n>][:bandwidth=<bytes/s>]   <spec> (default fp16) where it pays
 
 Every lossy codec takes ``error_feedback=false`` (worker-side residual, on by default);
-top-k and random-k take ``momentum=<m>``: DGC's momentum correction, the optimizer's
-momentum applied on the worker before sparsifying (the optimizer then has none);
+top-k takes ``momentum=<m>``: DGC's momentum correction (the worker applies SGD's momentum
+before sparsifying; the optimizer, of that momentum, steps by the sent sums);
 onebit, top-k and dithering take ``server_error_feedback=false`` (the servers' residual)
 and ``chunk=<elements>`` (elements per blob). Options are ``key=value`` pieces after
 ``:`` or ``,``: ``"topk:0.01,error_feedback=false"``.
@@ -128,7 +128,7 @@ _OPTIONS = {
     "onebit": ("scaled", "error_feedback", "server_error_feedback", "chunk"),
     "topk": ("ratio", "momentum", "error_feedback", "server_error_feedback", "chunk"),
     "dithering": ("levels", "stochastic", "seed", "error_feedback", "server_error_feedback", "chunk"),
-    "randomk": ("ratio", "seed", "momentum", "error_feedback"),
+    "randomk": ("ratio", "seed", "error_feedback"),
     "powersgd": ("rank", "seed", "error_feedback"),
     "auto": ("steps", "bandwidth"),
 }
@@ -149,10 +149,10 @@ class CompressionSpec:
         error_feedback: worker-side residual; None = on for lossy codecs, off for casts.
         server_error_feedback: onebit/top-k/dithering: the servers keep a residual too.
         chunk: elements per blob of a byte codec (:data:`bpstrain._codec.DEFAULT_CHUNK`).
-        momentum: top-k / random-k: DGC's momentum correction (Lin et al., 2018) with
-            this momentum, 0 = off: the worker accumulates SGD's velocity, the
-            residual sums it, and both are cleared where sent; the optimizer then runs
-            with momentum 0 (``DistributedOptimizer`` checks).
+        momentum: top-k: DGC's momentum correction (Lin et al., 2018) for an SGD of this
+            momentum, 0 = off: the worker accumulates the velocity, the residual sums it,
+            both are cleared where sent, and the optimizer is handed what makes its
+            update the sent sum (``DistributedOptimizer`` checks its momentum).
         steps: auto: steps measured before deciding.
         bandwidth: auto: link bytes/s to price saved bytes (None: the engine's or measured).
         inner: auto: the spec it switches on or off.

@@ -67,8 +67,10 @@ def make_compression(spec: str):
         return getattr(Compression, s.codec)
     if s.codec == "onebit":
         return Compression.onebit(scaling=s.scaled)
-    if s.codec in ("topk", "randomk"):
-        return getattr(Compression, s.codec)(s.ratio, momentum=s.momentum)
+    if s.codec == "topk":
+        return Compression.topk(s.ratio, momentum=s.momentum)
+    if s.codec == "randomk":
+        return Compression.randomk(s.ratio)
     if s.codec == "dithering":
         return Compression.dithering(s.levels)
     if s.codec == "powersgd":

@@ -59,15 +59,15 @@ from bpstrain.bench.training import ps_layout, run_ddp_job
 
 _WORKER = "bpstrain.bench._compress_worker"
 PARTS = ("wire", "accuracy", "kernels")
-# topk-mc / randomk-mc: the same with DGC's momentum correction (for the accuracy part,
-# whose SGD has momentum; the wire part's plain SGD refuses it).
-BPSTRAIN_SYSTEMS = ("none", "fp16", "bf16", "onebit", "topk", "randomk", "topk-mc", "randomk-mc",
+# topk-mc: top-k with DGC's momentum correction (for the accuracy part, whose SGD has
+# momentum; the wire part's plain SGD refuses it).
+BPSTRAIN_SYSTEMS = ("none", "fp16", "bf16", "onebit", "topk", "randomk", "topk-mc",
                     "dithering", "powersgd", "auto")
 DDP_SYSTEMS = ("ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd", "ddp-powersgd-batched")
 SYSTEMS = BPSTRAIN_SYSTEMS + DDP_SYSTEMS
 WIRE_SYSTEMS = ("none", "fp16", "onebit", "topk", "randomk", "powersgd", "dithering",
                 "ddp", "ddp-fp16", "ddp-powersgd")
-ACC_SYSTEMS = ("none", "fp16", "onebit", "topk", "randomk", "topk-mc", "randomk-mc", "powersgd",
+ACC_SYSTEMS = ("none", "fp16", "onebit", "topk", "randomk", "topk-mc", "powersgd",
                "dithering", "ddp-fp16")
 TTA_SYSTEMS = ("none", "onebit", "topk", "topk-mc", "ddp-fp16")
 KERNEL_CODECS = ("fp16", "bf16", "onebit", "topk", "randomk", "dithering", "powersgd")
@@ -135,7 +135,7 @@ class CompressionPlan:
             return "none" if system == "ddp" else system[len("ddp-"):]
         mc = f":momentum={MOMENTUM:g}"
         return {"topk": f"topk:{self.topk_ratio:g}", "randomk": f"randomk:{self.randomk_ratio:g}",
-                "topk-mc": f"topk:{self.topk_ratio:g}{mc}", "randomk-mc": f"randomk:{self.randomk_ratio:g}{mc}",
+                "topk-mc": f"topk:{self.topk_ratio:g}{mc}",
                 "dithering": f"dithering:{self.dithering_levels}",
                 "powersgd": f"powersgd:{self.powersgd_rank}",
                 "auto": self.auto_spec}.get(system, system)
@@ -148,7 +148,6 @@ class CompressionPlan:
                  "topk": f"bpstrain top-k {self.topk_ratio * 100:g}%",
                  "randomk": f"bpstrain random-k {self.randomk_ratio * 100:g}%",
                  "topk-mc": f"bpstrain top-k {self.topk_ratio * 100:g}% + momentum correction",
-                 "randomk-mc": f"bpstrain random-k {self.randomk_ratio * 100:g}% + momentum correction",
                  "dithering": f"bpstrain dithering {self.dithering_levels} levels",
                  "powersgd": f"bpstrain PowerSGD rank {self.powersgd_rank}",
                  "auto": f"bpstrain {self.auto_spec}"}

@@ -153,7 +153,7 @@ class StatefulCompressor(tf.Module):
         residual = self._variable(f"residual/{name}", lambda: tf.zeros(flat.shape, tf.float32))
         return flat + residual, residual
 
-    momentum = 0.0  # top-k and random-k: DGC's momentum correction when set
+    momentum = 0.0  # top-k: DGC's momentum correction when set
 
     def _with_velocity(self, name: str, flat: tf.Tensor):
         """DGC's momentum correction, worker side: ``(u, variable)`` with the velocity
@@ -364,15 +364,14 @@ class RandomKCompressor(StatefulCompressor):
     """
 
     def __init__(self, ratio: float, seed: int = 0, error_feedback: bool = True,
-                 name: Optional[str] = None, momentum: float = 0.0):
+                 name: Optional[str] = None):
         super().__init__(error_feedback, name)
-        self.ratio, self.seed, self.momentum = _ratio("randomk", ratio), int(seed), float(momentum)
-        self._check_options()
+        self.ratio, self.seed = _ratio("randomk", ratio), int(seed)
 
     codec_name = "randomk"
 
     def _options(self):
-        return {**super()._options(), "ratio": self.ratio, "seed": self.seed, "momentum": self.momentum}
+        return {**super()._options(), "ratio": self.ratio, "seed": self.seed}
 
     def indices(self, name: str, n: int, k: int) -> tf.Tensor:
         """This step's ``k`` indices of tensor ``name`` (advances its step counter)."""
@@ -399,20 +398,17 @@ class RandomKCompressor(StatefulCompressor):
     def _reduce(self, tensors, names, average, priorities, extra):
         items, picks = [], []
         for x, name, priority in zip(tensors, names, priorities):
-            moving, velocity = self._with_velocity(name, tf.reshape(tf.cast(x, tf.float32), [-1]))
-            flat, residual = self._with_residual(name, moving)
+            flat, residual = self._with_residual(name, tf.reshape(tf.cast(x, tf.float32), [-1]))
             n = int(flat.shape[0])
             idx = self.indices(name, n, _codec.topk_count(n, self.ratio))[:, None]
             values = tf.gather_nd(flat, idx)
             if residual is not None:
                 _keep_finite(residual, flat - tf.scatter_nd(idx, values, [n]), flat)
-            if velocity is not None:  # cleared where sent
-                _keep_finite(velocity, tf.tensor_scatter_nd_update(moving, idx, tf.zeros_like(values)), flat)
             items.append(_wire.Item(values, name, average, 0, priority))
-            picks.append((idx, n, name))
+            picks.append((idx, n))
         outs = _wire.transfer(items + extra)
-        return [self._as_momentum_gradient(name, tf.scatter_nd(idx, out, [n]))
-                for (idx, n, name), out in zip(picks, outs)], outs[len(items):]
+        return [tf.scatter_nd(idx, out, [n]) for (idx, n), out in zip(picks, outs)], \
+            outs[len(items):]
 
 
 class PowerSGDCompressor(StatefulCompressor):

@@ -362,7 +362,7 @@ class RandomKCompressor(GradientCompressor):
         k = _codec.topk_count(n, spec.ratio)
         clock = _Clock(x.device, timed)
         with clock:
-            x = self._add_residual(key, self._with_velocity(st, x))
+            x = self._add_residual(key, x)
             a, b = _codec.randomk_affine(n, spec.seed, key, st["step"])
             idx = (a + torch.arange(k, device=x.device, dtype=torch.int64) * b) % n
             values = x[idx]
@@ -370,14 +370,13 @@ class RandomKCompressor(GradientCompressor):
                 residual = x.clone()
                 residual[idx] = 0
                 st["residual"] = residual
-            self._clear_velocity(st, idx)
         st["step"] += 1
         handle = _ops.push_pull_async(values, average=average, name=name, priority=priority)
 
         def finish(summed):
             out = torch.zeros(n, dtype=torch.float32, device=x.device)
             out[idx] = summed
-            return _restore(self._as_momentum_gradient(st, out), tensor)
+            return _restore(out, tensor)
 
         return _Op(handle, finish, clock, 4 * n, 4 * k)
 

@@ -117,13 +117,10 @@ class Compression:
                                server_error_feedback=server_error_feedback, momentum=momentum))
 
     @staticmethod
-    def randomk(ratio: float, error_feedback: bool = True, seed: int = 0,
-                momentum: float = 0.0) -> GradientCompressor:
+    def randomk(ratio: float, error_feedback: bool = True, seed: int = 0) -> GradientCompressor:
         """``ceil(ratio * n)`` entries at indices every rank derives from (seed, name,
-        step), so only values travel and the servers sum plain float32. ``momentum``: as
-        :meth:`topk`'s."""
-        return from_spec(_spec("randomk", ratio=ratio, error_feedback=error_feedback, seed=seed,
-                               momentum=momentum))
+        step), so only values travel and the servers sum plain float32."""
+        return from_spec(_spec("randomk", ratio=ratio, error_feedback=error_feedback, seed=seed))
 
     @staticmethod
     def dithering(levels: int, stochastic: bool = True, error_feedback: bool = True,

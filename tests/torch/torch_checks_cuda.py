@@ -44,7 +44,6 @@ def check_cuda_compression_matches_numpy_reference():
     _device()
     compression.check_byte_codecs_match_numpy_reference("cuda")
     compression.check_randomk_matches_numpy("cuda")
-    compression.check_randomk_with_momentum_correction_matches_numpy("cuda")
     compression.check_powersgd_matches_numpy("cuda")
 
 
