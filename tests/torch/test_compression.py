@@ -189,16 +189,19 @@ def test_stochastic_dithering_and_server_answers_decode_alike(device):
 # -- the stateful compressors alone ---------------------------------------------------------
 
 @pytest.mark.timeout(60)
-def test_top_k_with_momentum_correction_alone_follows_dgc(standalone):
+@pytest.mark.parametrize("device", _devices())
+def test_top_k_with_momentum_correction_alone_follows_dgc(standalone, device):
     m, n, k = 0.9, 1000, 10
     grads = [np.random.default_rng(s).standard_normal(n).astype(np.float32) for s in range(4)]
     want, u, v = dgc_steps(grads, m, top(k))
     comp = bps.Compression.topk(k / n, momentum=m)
     for s, g in enumerate(grads):
-        got = bps.push_pull(torch.from_numpy(g), name="w", compression=comp)
-        np.testing.assert_allclose(got.numpy(), want[s], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(comp._tensors["w"]["velocity"].numpy(), u, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(comp._tensors["w"]["residual"].numpy(), v, rtol=1e-5, atol=1e-6)
+        got = bps.push_pull(torch.from_numpy(g).to(device), name="w", compression=comp)
+        assert got.device.type == device
+        np.testing.assert_allclose(got.cpu().numpy(), want[s], rtol=1e-5, atol=1e-6)
+    state = comp._tensors["w"]
+    np.testing.assert_allclose(state["velocity"].cpu().numpy(), u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state["residual"].cpu().numpy(), v, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(60)
