@@ -177,36 +177,33 @@ class GradientCompressor:
             return x
         return x + residual.to(x.device).reshape(x.shape)
 
-    def _with_velocity(self, st: Dict[str, Any], x: torch.Tensor) -> torch.Tensor:
-        """DGC's momentum correction, worker side: the gradient ``x`` (flat fp32) becomes
-        the velocity u = m*u + x, which error feedback then accumulates and the codec
-        sparsifies (returned; the codecs must not write into it). Off: ``x``."""
+    def _with_velocity(self, st: Dict[str, Any], x: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+        """DGC's momentum correction, worker side: ``(u, kept)``, the gradient ``x`` (flat
+        fp32) made the velocity u = m*u + x, which error feedback then accumulates and the
+        codec sparsifies (the codecs must not write into it), and whether u is now the
+        kept velocity: a step with an inf or NaN (a loss-scaled overflow) goes out but is
+        not kept. Off: ``(x, False)``."""
         m = self.spec.momentum
         if not m:
-            return x
-        u = st.get("velocity")
-        if u is None or u.numel() != x.numel():
-            u = x.clone()
-        else:
-            u = u.to(x.device).mul_(m).add_(x)
-        st["velocity"] = u
-        return u
-
-    def _clear_velocity(self, st: Dict[str, Any], sent) -> None:
-        """Momentum factor masking: the velocity restarts where the step sent its
-        accumulation (``sent``: a mask or indices)."""
-        if self.spec.momentum:
-            st["velocity"][sent] = 0
+            return x, False
+        before = st.get("velocity")
+        u = x.clone() if before is None or before.numel() != x.numel() else before.to(x.device) * m + x
+        kept = bool(torch.isfinite(u).all())
+        if kept:
+            st["velocity"] = u
+        return u, kept
 
     def _as_momentum_gradient(self, st: Dict[str, Any], out: torch.Tensor) -> torch.Tensor:
         """The step's decompressed sum S_t handed to an SGD that keeps its momentum m (the
         same as the spec's): S_t - m*S_{t-1}, so that SGD's buffer m*buf + g equals S_t and
-        the update is lr*S_t, DGC's. Tensors the policy sends plain keep ordinary momentum."""
+        the update is lr*S_t, DGC's. Tensors the policy sends plain keep ordinary momentum.
+        A non-finite sum (an overflow) is handed on but not kept."""
         m = self.spec.momentum
         if not m:
             return out
         before = st.get("applied")
-        st["applied"] = out.detach().clone()
+        if bool(torch.isfinite(out).all()):
+            st["applied"] = out.detach().clone()
         if before is None or before.numel() != out.numel():
             return out
         return out - m * before.to(out.device)
@@ -274,7 +271,7 @@ class ByteCodecCompressor(GradientCompressor):
             stochastic = spec.codec == "dithering" and spec.stochastic
             seed = derive_seed(spec.seed, key, st["step"], engine.rank()) if stochastic else 0
             host_seed = seed % (2**63) + 1 if stochastic else 0
-            x = self._with_velocity(st, x)
+            x, moving = self._with_velocity(st, x)
             kept = st.get("residual")
             if x.device.type == "cpu" and spec.ef and kept is not None and kept.device.type == "cpu" \
                     and kept.numel() == x.numel() and kept.is_contiguous():
@@ -300,8 +297,8 @@ class ByteCodecCompressor(GradientCompressor):
                     r = x - sent
                     st["residual"] = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
                 host = data.cpu()  # the one staging copy of a CUDA tensor: the bytes alone
-            if spec.momentum:  # top-k sends exact values: the residual is 0 where it sent
-                self._clear_velocity(st, st["residual"].view(-1) == 0)
+            if moving:  # momentum factor masking; top-k leaves a 0 residual where it sent
+                st["velocity"].view(-1)[st["residual"].view(-1) == 0] = 0
         st["step"] += 1
         src = host.numpy()
         dst = np.empty_like(src)

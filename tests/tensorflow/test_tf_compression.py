@@ -147,9 +147,10 @@ def test_worker_error_feedback_keeps_what_the_blob_dropped(make):
 
 @pytest.mark.usefixtures("standalone_engine")
 @pytest.mark.parametrize("make", [lambda: Compression.onebit(), lambda: Compression.topk(0.1),
+                                  lambda: Compression.topk(0.1, momentum=0.9),
                                   lambda: Compression.randomk(0.1),
                                   lambda: Compression.powersgd(2)],
-                         ids=["onebit", "topk", "randomk", "powersgd"])
+                         ids=["onebit", "topk", "topk-momentum", "randomk", "powersgd"])
 def test_an_overflowed_step_leaves_the_state_as_it_was(make):
     # A loss-scaled fp16 step that overflowed is skipped; its inf must not stay.
     compressor, x = make(), tf.constant(_data(400).reshape(20, 20))

@@ -205,6 +205,20 @@ def test_top_k_with_momentum_correction_alone_follows_dgc(standalone, device):
 
 
 @pytest.mark.timeout(60)
+def test_an_overflowed_step_leaves_momentum_corrections_state_as_it_was(standalone):
+    comp = bps.Compression.topk(0.1, momentum=0.9)
+    g = torch.from_numpy(np.random.default_rng(0).standard_normal(200).astype(np.float32))
+    bps.push_pull(g, name="w", compression=comp)
+    before = {k: v.clone() for k, v in comp._tensors["w"].items() if k in ("velocity", "applied")}
+    overflow = g.clone()
+    overflow[3] = float("inf")
+    assert not torch.isfinite(bps.push_pull(overflow, name="w", compression=comp)).all()
+    for key, value in before.items():
+        assert torch.equal(comp._tensors["w"][key], value), key
+    assert torch.isfinite(bps.push_pull(g, name="w", compression=comp)).all()
+
+
+@pytest.mark.timeout(60)
 def test_momentum_correction_needs_the_optimizers_momentum_to_match(standalone):
     def make(optimizer, compression):
         model = torch.nn.Linear(40, 30)
