@@ -111,6 +111,13 @@ def main(argv=None):
         sampler.record_batch(len(batch))
         indices.append(batch)
         times.append(time.perf_counter() - t0)
+    # rank()/size() change when this worker hears from the scheduler, which may come after
+    # the servers' answers computed without the departed (membership()'s epoch against
+    # answered_epoch): the last steps take milliseconds, so wait for the word, bounded.
+    deadline = time.monotonic() + 10
+    while (engine.membership()["epoch"] < engine.membership()["answered_epoch"]
+           and time.monotonic() < deadline):
+        time.sleep(0.01)
     params = [p.detach().reshape(-1).tolist() for p in model.parameters()]
     write_result({"rank": me, "start": start, "end": [bps.rank(), bps.size()], "params": params, "events": events,
                   "times": times, "indices": indices, "scheduler_alive": engine.membership()["scheduler_alive"]}, "FT_RESULT")
